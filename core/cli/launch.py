@@ -1,0 +1,23 @@
+"""`srv launch [flags]`: parse every flag, resolve backends through the plugins, serve."""
+
+from __future__ import annotations
+
+import sys
+
+from srv.args.parser import parse_launch_args
+from srv.backend_registry import RegistryConflict
+from srv.plugin_manager import PluginManager
+
+
+def main(argv: list[str]) -> int:
+    manager = PluginManager()
+    manager.load_entry_points()
+    try:
+        registry = manager.build_registry()
+    except RegistryConflict as exc:
+        print(f"srv launch: error: {exc}", file=sys.stderr)
+        return 2
+    parse_launch_args(argv, manager, registry)
+    print("srv launch: error: serving is not built yet (the engine and HTTP server are the next issues)",
+          file=sys.stderr)
+    return 1
