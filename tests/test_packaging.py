@@ -31,7 +31,8 @@ def test_wheel_holds_only_the_srv_namespace(wheel: Path):
     assert "srv/args/server_arguments.yaml" in names
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     text = zipfile.ZipFile(wheel).read(entry_points).decode()
-    assert "[srv]\ncache = srv.plugins.cache" in text
+    for family in ("attention", "cache", "models", "sampling", "scheduling"):
+        assert f"{family} = srv.plugins.{family}" in text
     assert "srv = srv.cli.main:main" in text
 
 
@@ -47,5 +48,6 @@ def test_fresh_virtualenv_install_lists_builtin_plugins(wheel: Path, tmp_path: P
     result = subprocess.run([str(env_dir / "bin" / "srv"), "plugins", "--json"], capture_output=True, text=True,
                             cwd=tmp_path, check=True)
     report = json.loads(result.stdout)
-    assert {"cache"} <= {p["name"] for p in report["plugins"] if p["distribution"] == "srv"}
+    assert {"attention", "cache", "models", "sampling", "scheduling"} <= {
+        p["name"] for p in report["plugins"] if p["distribution"] == "srv"}
     assert {b["name"] for b in report["backends"]["eviction_policy"]} >= {"lru", "lfu"}

@@ -7,20 +7,14 @@ tests/test_args.py holds a copy so every change to it is deliberate.
 
 NOT_SUPPORTED_YET = frozenset({
     # Model and tokenizer
-    "--model-path",
-    "--tokenizer-path",
-    "--tokenizer-mode",
     "--tokenizer-worker-num",
     "--skip-tokenizer-init",
-    "--load-format",
     "--model-loader-extra-config",
     "--trust-remote-code",
-    "--context-length",
     "--is-embedding",
     "--enable-multimodal",
     "--limit-mm-data-per-request",
     "--revision",
-    "--model-impl",
     # HTTP server
     "--host",
     "--port",
@@ -30,7 +24,6 @@ NOT_SUPPORTED_YET = frozenset({
     "--api-key",
     "--served-model-name",
     # Quantization and data type
-    "--dtype",
     "--quantization",
     "--quantization-param-path",
     "--modelopt-quant",
@@ -39,18 +32,11 @@ NOT_SUPPORTED_YET = frozenset({
     "--kv-cache-dtype",
     "--enable-fp32-lm-head",
     # Memory and scheduling
-    "--mem-fraction-static",
-    "--max-running-requests",
     "--max-queued-requests",
-    "--max-total-tokens",
-    "--chunked-prefill-size",
-    "--max-prefill-tokens",
-    "--schedule-policy",
     "--enable-priority-scheduling",
     "--schedule-low-priority-values-first",
     "--priority-scheduling-preemption-threshold",
     "--schedule-conservativeness",
-    "--page-size",
     "--hybrid-kvcache-ratio",
     "--swa-full-tokens-ratio",
     "--disable-hybrid-swa-memory",
@@ -107,7 +93,6 @@ NOT_SUPPORTED_YET = frozenset({
     "--nnodes",
     "--node-rank",
     # Model override args
-    "--json-model-override-args",
     "--preferred-sampling-params",
     # LoRA
     "--enable-lora",
@@ -120,10 +105,6 @@ NOT_SUPPORTED_YET = frozenset({
     "--lora-backend",
     "--max-lora-chunk-size",
     # Kernel backends (attention, sampling, grammar, GEMM)
-    "--attention-backend",
-    "--prefill-attention-backend",
-    "--decode-attention-backend",
-    "--sampling-backend",
     "--grammar-backend",
     "--mm-attention-backend",
     "--nsa-prefill",
@@ -184,7 +165,6 @@ NOT_SUPPORTED_YET = frozenset({
     "--hicache-ratio",
     "--hicache-size",
     "--hicache-write-policy",
-    "--radix-eviction-policy",
     "--hicache-io-backend",
     "--hicache-mem-layout",
     "--hicache-storage-backend",
@@ -206,7 +186,6 @@ NOT_SUPPORTED_YET = frozenset({
     "--offload-prefetch-step",
     "--offload-mode",
     # Optimization/debug options
-    "--disable-radix-cache",
     "--cuda-graph-max-bs",
     "--cuda-graph-bs",
     "--disable-cuda-graph",
@@ -222,7 +201,6 @@ NOT_SUPPORTED_YET = frozenset({
     "--enable-mscclpp",
     "--enable-torch-symm-mem",
     "--disable-overlap-schedule",
-    "--enable-mixed-chunk",
     "--enable-dp-attention",
     "--enable-dp-lm-head",
     "--enable-two-batch-overlap",

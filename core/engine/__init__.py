@@ -1,0 +1,1 @@
+"""The engine: requests, KV memory, the prefix cache, the scheduler loop and the model runner."""

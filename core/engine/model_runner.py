@@ -1,0 +1,124 @@
+"""Loads the model through the loader and model plugins, owns the KV cache, runs forward passes."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from argparse import Namespace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from srv.backend_registry import AUTO, BackendRegistry, BackendUnavailable
+from srv.engine.default_model import default_model_path
+from srv.sdk.attention import AttentionBackend, ForwardBatch, KVCache
+from srv.sdk.models import ModelLoader
+
+logger = logging.getLogger("srv.engine")
+
+DTYPES = {"half": torch.float16, "float16": torch.float16, "bfloat16": torch.bfloat16,
+          "float": torch.float32, "float32": torch.float32}
+# Without --max-total-tokens or --mem-fraction-static, the KV cache takes this share of free RAM.
+DEFAULT_CPU_MEM_FRACTION = 0.1
+
+
+def served_dtype(name: str) -> torch.dtype:
+    # bfloat16 is the CPU default: AMX runs bf16 matmuls several times faster than fp32.
+    return torch.bfloat16 if name == AUTO else DTYPES[name]
+
+
+class ModelRunner:
+    def __init__(self, args: Namespace, registry: BackendRegistry) -> None:
+        self.args, self.registry = args, registry
+        self.dtype = served_dtype(args.dtype)
+        path = Path(args.model_path) if args.model_path else default_model_path()
+        loader = self._choose_loader(path)
+        started = time.monotonic()
+        self.model_dir = loader.prepare(path)
+        self.config = self._load_config()
+        self.model = self._build_model()
+        loader.load(self.model, self.model_dir)
+        self.model.to(self.dtype).eval()
+        logger.info("loaded %s (%s, %s) in %.1fs", path.name, self.config.architectures[0], self.dtype,
+                    time.monotonic() - started)
+        self.context_len = args.context_length or getattr(self.config, "max_position_embeddings", 4096)
+        attention = self.model.layers[0].self_attn if hasattr(self.model, "layers") else None
+        self.num_layers = self.config.num_hidden_layers
+        self.num_kv_heads = attention.num_kv_heads
+        self.head_dim = attention.head_dim
+        self.num_heads = attention.num_heads
+        self.prefill_attention = self._attention(args.prefill_attention_backend or args.attention_backend)
+        self.decode_attention = self._attention(args.decode_attention_backend or args.attention_backend)
+        self.sampler = registry.choose("sampling", args.sampling_backend).create(args)
+        self.kv_cache: KVCache | None = None
+
+    def _choose_loader(self, path: Path) -> ModelLoader:
+        if not path.exists():
+            raise FileNotFoundError(f"--model-path {path} does not exist (srv never downloads weights)")
+        if self.args.load_format != AUTO:
+            return self.registry.choose("load_format", self.args.load_format).create(self.args)
+        for registration in sorted(self.registry.registrations("load_format"), key=lambda r: -r.priority):
+            if registration.availability().ok:
+                loader = registration.create(self.args)
+                if loader.accepts(path):
+                    return loader
+        names = ", ".join(self.registry.names("load_format"))
+        raise BackendUnavailable(f"no --load-format recognises {path} (installed: {names})")
+
+    def _load_config(self) -> Any:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(str(self.model_dir))
+        overrides = json.loads(self.args.json_model_override_args or "{}")
+        for key, value in overrides.items():
+            setattr(config, key, value)
+        return config
+
+    def _build_model(self) -> torch.nn.Module:
+        impls = self.registry
+        if self.args.model_impl != AUTO:
+            impl = impls.choose("model_impl", self.args.model_impl).create(self.args)
+            if not impl.supports(self.config):
+                raise BackendUnavailable(f"--model-impl {self.args.model_impl} does not support "
+                                         f"{self.config.architectures}")
+        else:
+            candidates = [r.create(self.args) for r in sorted(impls.registrations("model_impl"), key=lambda r: -r.priority)
+                          if r.availability().ok]
+            impl = next((c for c in candidates if c.supports(self.config)), None)
+            if impl is None:
+                raise BackendUnavailable(f"no --model-impl supports {self.config.architectures} "
+                                         f"(installed: {', '.join(impls.names('model_impl'))})")
+        # Build without initialising: every parameter is about to be overwritten by the loader.
+        with torch.device("meta"):
+            model = impl.build(self.config)
+        return model.to_empty(device="cpu")
+
+    def _attention(self, name: str | None) -> AttentionBackend:
+        registration = self.registry.choose("attention", name)
+        return registration.create(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
+
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.finfo(self.dtype).bits // 8
+
+    def kv_capacity_tokens(self) -> int:
+        if self.args.max_total_tokens:
+            return self.args.max_total_tokens
+        fraction = self.args.mem_fraction_static or DEFAULT_CPU_MEM_FRACTION
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return int(fraction * available // self.kv_bytes_per_token())
+
+    def allocate_kv_cache(self, num_slots: int) -> None:
+        self.kv_cache = KVCache(num_slots, self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
+        logger.info("KV cache: %d slots, %.1f MiB", num_slots, num_slots * self.kv_bytes_per_token() / 2**20)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, out_cache_loc: torch.Tensor,
+                kv_slots: torch.Tensor, prefix_lens: list[int], extend_lens: list[int]) -> torch.Tensor:
+        decode = all(e == 1 for e in extend_lens)
+        batch = ForwardBatch(input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc,
+                             kv_slots=kv_slots, prefix_lens=prefix_lens, extend_lens=extend_lens,
+                             kv_cache=self.kv_cache,
+                             attention=self.decode_attention if decode else self.prefill_attention)
+        return self.model(batch)

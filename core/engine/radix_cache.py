@@ -1,0 +1,160 @@
+"""The prefix cache: a radix tree over token ids whose nodes own the KV slots of their tokens.
+
+Keys are whole pages (`page_size` tokens), so every node's slots are whole pages and a match
+is always page-aligned. A node in use by a running request is locked (a reference count on it
+and its ancestors) and never evicted; unlocked leaves are evicted in the order the eviction
+policy plugin gives.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+
+import torch
+
+from srv.engine.memory import PagedSlotAllocator
+from srv.sdk.cache import EvictionPolicy
+
+_tiebreak = itertools.count()
+
+
+class TreeNode:
+    def __init__(self, key: list[int], value: torch.Tensor, parent: "TreeNode | None") -> None:
+        self.key = key
+        self.value = value
+        self.parent = parent
+        self.children: dict[tuple[int, ...], TreeNode] = {}
+        self.lock_ref = 0
+        self.hit_count = 0
+        self.last_access_time = time.monotonic()
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.key)
+
+
+class RadixCache:
+    def __init__(self, allocator: PagedSlotAllocator, policy: EvictionPolicy) -> None:
+        self.allocator = allocator
+        self.page_size = allocator.page_size
+        self.policy = policy
+        self.reset()
+
+    def reset(self) -> None:
+        self.root = TreeNode([], torch.empty(0, dtype=torch.int64), None)
+        self.root.lock_ref = 1
+        self.evictable_tokens = 0
+        self.protected_tokens = 0
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.evictable_tokens + self.protected_tokens
+
+    def _child_key(self, tokens: list[int]) -> tuple[int, ...]:
+        return tuple(tokens[: self.page_size])
+
+    def _common_pages(self, a: list[int], b: list[int]) -> int:
+        n = 0
+        for x, y in zip(a, b):
+            if x != y:
+                break
+            n += 1
+        return n // self.page_size * self.page_size
+
+    def _split(self, node: TreeNode, at: int) -> TreeNode:
+        """Cut `node` after `at` tokens; returns the new upper part."""
+        upper = TreeNode(node.key[:at], node.value[:at], node.parent)
+        upper.lock_ref, upper.hit_count, upper.last_access_time = node.lock_ref, node.hit_count, node.last_access_time
+        upper.children[self._child_key(node.key[at:])] = node
+        node.parent.children[self._child_key(node.key)] = upper
+        node.key, node.value, node.parent = node.key[at:], node.value[at:], upper
+        return upper
+
+    def match_prefix(self, tokens: list[int]) -> tuple[torch.Tensor, TreeNode]:
+        """The slots of the longest cached page-aligned prefix of `tokens`, and its last node."""
+        node, values, pos = self.root, [], 0
+        now = time.monotonic()
+        while pos < len(tokens):
+            child = node.children.get(self._child_key(tokens[pos:]))
+            if child is None:
+                break
+            common = self._common_pages(child.key, tokens[pos:])
+            if common == 0:
+                break
+            if common < child.num_tokens:
+                child = self._split(child, common)
+            child.last_access_time, child.hit_count = now, child.hit_count + 1
+            values.append(child.value)
+            node, pos = child, pos + common
+        slots = torch.cat(values) if values else torch.empty(0, dtype=torch.int64)
+        return slots, node
+
+    def insert(self, tokens: list[int], slots: torch.Tensor) -> int:
+        """Cache `tokens` (page-aligned length) with their slots; returns how many leading
+        tokens were cached already (the caller frees its own copies of those)."""
+        node, pos = self.root, 0
+        now = time.monotonic()
+        while pos < len(tokens):
+            child = node.children.get(self._child_key(tokens[pos:]))
+            if child is None:
+                leaf = TreeNode(tokens[pos:], slots[pos:].clone(), node)
+                node.children[self._child_key(leaf.key)] = leaf
+                self.evictable_tokens += leaf.num_tokens
+                return pos
+            common = self._common_pages(child.key, tokens[pos:])
+            if common < child.num_tokens:
+                child = self._split(child, common)
+            child.last_access_time = now
+            node, pos = child, pos + common
+        return pos
+
+    def lock(self, node: TreeNode) -> None:
+        while node is not self.root:
+            if node.lock_ref == 0:
+                self.evictable_tokens -= node.num_tokens
+                self.protected_tokens += node.num_tokens
+            node.lock_ref += 1
+            node = node.parent
+
+    def unlock(self, node: TreeNode) -> None:
+        while node is not self.root:
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self.evictable_tokens += node.num_tokens
+                self.protected_tokens -= node.num_tokens
+            node = node.parent
+
+    def evict(self, num_tokens: int) -> int:
+        """Free at least `num_tokens` slots of unlocked leaves if possible; returns how many."""
+        heap = [(self.policy.eviction_key(n), next(_tiebreak), n) for n in self._unlocked_leaves()]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_tokens and heap:
+            _, _, leaf = heapq.heappop(heap)
+            self.allocator.free_slots(leaf.value)
+            freed += leaf.num_tokens
+            self.evictable_tokens -= leaf.num_tokens
+            parent = leaf.parent
+            del parent.children[self._child_key(leaf.key)]
+            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+                heapq.heappush(heap, (self.policy.eviction_key(parent), next(_tiebreak), parent))
+        return freed
+
+    def _unlocked_leaves(self) -> list[TreeNode]:
+        leaves, stack = [], [self.root]
+        while stack:
+            node = stack.pop()
+            if not node.children and node.lock_ref == 0:
+                leaves.append(node)
+            stack.extend(node.children.values())
+        return leaves
+
+    def flush(self) -> bool:
+        """Drop every cached prefix; refused (False) while any is in use."""
+        if self.protected_tokens:
+            return False
+        self.evict(self.evictable_tokens)
+        self.reset()
+        return True

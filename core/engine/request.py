@@ -1,0 +1,60 @@
+"""A generation request as the scheduler tracks it."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+from srv.sdk.sampling import SamplingParams
+
+_arrivals = itertools.count()
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"          # an EOS or stop token, or a stop string
+    LENGTH = "length"      # max_new_tokens
+    ABORT = "abort"
+
+
+@dataclass(eq=False)
+class Req:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+    output_ids: list[int] = field(default_factory=list)
+    arrival_index: int = field(default_factory=lambda: next(_arrivals))
+    # KV state: cache row, tokens whose keys/values are in the cache, slots reserved in the row
+    # (whole pages), and the prefix-cache hit.
+    row: int | None = None
+    kv_len: int = 0
+    allocated: int = 0
+    cached_prefix_len: int = 0
+    cache_node: Any = None
+    finish_reason: FinishReason | None = None
+    matched_stop: int | str | None = None
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    retractions: int = 0
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.params.max_new_tokens
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

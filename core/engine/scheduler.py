@@ -1,0 +1,278 @@
+"""The scheduler loop: admit waiting requests (chunked prefill), continue running ones (continuous
+batching), retract one when KV memory runs out, and turn sampled tokens into finished requests.
+
+Every step feeds each scheduled request the tokens `token_ids[kv_len : kv_len + extend]`: a
+prompt chunk for a prefill, the last sampled token for a decode. A request samples a token
+only in the step whose input reaches the end of everything it knows.
+"""
+
+from __future__ import annotations
+
+import logging
+from argparse import Namespace
+from dataclasses import dataclass
+
+import torch
+
+from srv.backend_registry import BackendRegistry
+from srv.engine.memory import OutOfKVMemory, PagedSlotAllocator, ReqToTokenPool
+from srv.engine.model_runner import ModelRunner
+from srv.engine.radix_cache import RadixCache
+from srv.engine.request import FinishReason, Req
+from srv.sdk.sampling import SamplingBatch
+
+logger = logging.getLogger("srv.scheduler")
+
+# On CPU a long prefill chunk stalls every running decode; this bounds that stall.
+DEFAULT_CPU_CHUNKED_PREFILL_SIZE = 2048
+DEFAULT_MAX_RUNNING_REQUESTS = 256
+
+
+@dataclass
+class SchedulerStats:
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    generated_tokens: int = 0
+    retractions: int = 0
+    forward_steps: int = 0
+
+
+class Scheduler:
+    def __init__(self, args: Namespace, runner: ModelRunner, registry: BackendRegistry) -> None:
+        self.args, self.runner = args, runner
+        self.tokenizer = None
+        page_size = args.page_size
+        capacity = runner.kv_capacity_tokens()
+        self.allocator = PagedSlotAllocator(capacity // page_size + 1, page_size)
+        runner.allocate_kv_cache(self.allocator.num_slots)
+        self.max_running = args.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS
+        max_context = -(-runner.context_len // page_size) * page_size
+        self.req_pool = ReqToTokenPool(self.max_running, max_context)
+        self.tree = None if args.disable_radix_cache else RadixCache(
+            self.allocator, registry.choose("eviction_policy", args.radix_eviction_policy).create())
+        self.policy = registry.choose("schedule_policy", args.schedule_policy).create(args)
+        self.chunk_size = args.chunked_prefill_size or DEFAULT_CPU_CHUNKED_PREFILL_SIZE
+        if self.chunk_size <= 0:   # SGLang's -1: chunking off
+            self.chunk_size = args.max_prefill_tokens
+        self.eos_ids = self._eos_ids(runner)
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []
+        self.stats = SchedulerStats()
+
+    @staticmethod
+    def _eos_ids(runner: ModelRunner) -> list[int]:
+        eos = getattr(runner.config, "eos_token_id", None)
+        return [] if eos is None else list(eos) if isinstance(eos, (list, tuple)) else [eos]
+
+    # ---- requests in and out -------------------------------------------------------------
+
+    def add(self, req: Req) -> None:
+        if req.seq_len >= self.runner.context_len:
+            raise ValueError(f"prompt of {req.prompt_len} tokens does not fit the context of "
+                             f"{self.runner.context_len} tokens")
+        self.waiting.append(req)
+
+    def abort(self, rid: str) -> Req | None:
+        for queue in (self.waiting, self.running):
+            for req in queue:
+                if req.rid == rid:
+                    queue.remove(req)
+                    req.finish_reason = FinishReason.ABORT
+                    self._release(req)
+                    return req
+        return None
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- KV memory -----------------------------------------------------------------------
+
+    def _make_room(self, tokens: int) -> bool:
+        if self.allocator.free_tokens < tokens and self.tree is not None:
+            self.tree.evict(tokens - self.allocator.free_tokens)
+        return self.allocator.free_tokens >= tokens
+
+    def _reserve(self, req: Req, new_len: int) -> None:
+        """Give `req` cache slots for its first `new_len` tokens (whole pages)."""
+        page = self.allocator.page_size
+        needed_pages = -(-new_len // page) - req.allocated // page
+        if needed_pages <= 0:
+            return
+        if not self._make_room(needed_pages * page):
+            raise OutOfKVMemory
+        pages = torch.tensor(self.allocator.allocate_pages(needed_pages))
+        slots = (pages[:, None] * page + torch.arange(page)[None, :]).flatten()
+        self.req_pool.table[req.row, req.allocated: req.allocated + slots.numel()] = slots
+        req.allocated += slots.numel()
+
+    def _admit(self, req: Req) -> None:
+        """Give a waiting request a table row and its cached prefix."""
+        req.row = self.req_pool.allocate()
+        req.cached_prefix_len = 0
+        if self.tree is not None:
+            # The last token must be computed to sample from it, so it never comes from the cache.
+            slots, node = self.tree.match_prefix(req.token_ids[: req.seq_len - 1])
+            self.tree.lock(node)
+            req.cache_node = node
+            req.cached_prefix_len = slots.numel()
+            self.req_pool.table[req.row, : slots.numel()] = slots
+        req.kv_len = req.allocated = req.cached_prefix_len
+        self.stats.cached_prompt_tokens += req.cached_prefix_len
+
+    def _release(self, req: Req) -> None:
+        """Return a request's KV: full pages go to the prefix cache, the rest back to the pool."""
+        if req.row is None:
+            return
+        page = self.allocator.page_size
+        slots = self.req_pool.table[req.row, :req.allocated].clone()
+        if self.tree is not None:
+            aligned = req.kv_len // page * page
+            already = self.tree.insert(req.token_ids[:aligned], slots[:aligned])
+            self.allocator.free_slots(slots[req.cached_prefix_len: already])
+            self.allocator.free_slots(slots[aligned:])
+            self.tree.unlock(req.cache_node)
+        else:
+            self.allocator.free_slots(slots)
+        self.req_pool.free(req.row)
+        req.row, req.kv_len, req.allocated, req.cached_prefix_len, req.cache_node = None, 0, 0, 0, None
+
+    def _retract(self) -> None:
+        """Free the KV of the most recent running request and queue it again; it resumes later
+        from its prompt and output so far (mostly found again in the prefix cache)."""
+        victim = max(self.running, key=lambda r: r.arrival_index)
+        self.running.remove(victim)
+        self._release(victim)
+        victim.retractions += 1
+        self.stats.retractions += 1
+        self.waiting.insert(0, victim)
+        logger.info("retracted request %s (KV memory full), %d running", victim.rid, len(self.running))
+
+    # ---- one step ------------------------------------------------------------------------
+
+    def _schedule_prefill(self) -> list[tuple[Req, int]]:
+        if self.policy.needs_prefix_match and self.tree is not None:
+            for req in self.waiting:
+                req.cached_prefix_len = self.tree.match_prefix(req.token_ids[: req.seq_len - 1])[0].numel()
+        budget = min(self.args.max_prefill_tokens, self.chunk_size)
+        scheduled: list[tuple[Req, int]] = []
+        partial = [r for r in self.running if r.kv_len + 1 < r.seq_len]
+        candidates = partial + self.policy.order(self.waiting)
+        for req in candidates:
+            if budget <= 0:
+                break
+            new = req.row is None
+            if new:
+                if len(self.running) >= self.max_running or self.req_pool.free_rows == 0:
+                    break
+                self._admit(req)
+            extend = min(req.seq_len - req.kv_len, budget)
+            # Keep room for one more token of every running request, so admissions don't force retractions.
+            headroom = len(self.running) * self.allocator.page_size
+            try:
+                if not self._make_room(extend + headroom):
+                    raise OutOfKVMemory
+                self._reserve(req, req.kv_len + extend)
+            except OutOfKVMemory:
+                if new:
+                    self._release(req)
+                break
+            if new:
+                self.waiting.remove(req)
+                self.running.append(req)
+                self.stats.prompt_tokens += req.prompt_len
+            scheduled.append((req, extend))
+            budget -= extend
+        return scheduled
+
+    def _schedule_decode(self) -> list[tuple[Req, int]]:
+        decoding = [r for r in self.running if r.kv_len + 1 == r.seq_len]
+        while decoding:
+            try:
+                for req in decoding:
+                    self._reserve(req, req.kv_len + 1)
+                break
+            except OutOfKVMemory:
+                if len(self.running) == 1:
+                    raise
+                self._retract()
+                decoding = [r for r in self.running if r.kv_len + 1 == r.seq_len]
+        return [(r, 1) for r in decoding]
+
+    def step(self) -> list[Req]:
+        """Run one forward pass; returns the requests that got a token (finished ones included)."""
+        batch = self._schedule_prefill() if self.waiting or any(r.kv_len + 1 < r.seq_len for r in self.running) else []
+        if batch and self.args.enable_mixed_chunk:
+            scheduled = {id(r) for r, _ in batch}
+            batch = [(r, e) for r, e in self._schedule_decode() if id(r) not in scheduled] + batch
+        if not batch:
+            batch = self._schedule_decode()
+        if not batch:
+            return []
+        logits = self._forward(batch)
+        return self._process(batch, logits)
+
+    def _forward(self, batch: list[tuple[Req, int]]) -> torch.Tensor:
+        ids, positions, locs = [], [], []
+        for req, extend in batch:
+            tokens = req.token_ids
+            ids += tokens[req.kv_len: req.kv_len + extend]
+            positions.append(torch.arange(req.kv_len, req.kv_len + extend))
+            locs.append(self.req_pool.table[req.row, req.kv_len: req.kv_len + extend])
+        rows = torch.tensor([req.row for req, _ in batch])
+        max_len = max(req.kv_len + extend for req, extend in batch)
+        logits = self.runner.forward(
+            torch.tensor(ids), torch.cat(positions), torch.cat(locs), self.req_pool.table[rows, :max_len],
+            [req.kv_len for req, _ in batch], [extend for _, extend in batch])
+        for req, extend in batch:
+            req.kv_len += extend
+        self.stats.forward_steps += 1
+        return logits
+
+    def _process(self, batch: list[tuple[Req, int]], logits: torch.Tensor) -> list[Req]:
+        ready = [i for i, (req, _) in enumerate(batch) if req.kv_len == req.seq_len]
+        if not ready:
+            return []
+        reqs = [batch[i][0] for i in ready]
+        sampling = SamplingBatch([r.params for r in reqs], [r.token_ids for r in reqs],
+                                 [r.prompt_len for r in reqs], self.eos_ids)
+        out = self.runner.sampler.sample(logits[ready], sampling)
+        tokens = out.next_token_ids.tolist()
+        for j, req in enumerate(reqs):
+            req.output_ids.append(tokens[j])
+            if out.logprobs is not None:
+                req.logprobs.append(float(out.logprobs[j]))
+            if out.top_logprobs is not None and req.params.top_logprobs:
+                values, ids = out.top_logprobs
+                k = req.params.top_logprobs
+                req.top_logprobs.append(list(zip(ids[j, :k].tolist(), values[j, :k].tolist())))
+            self.stats.generated_tokens += 1
+            self._check_finished(req)
+            if req.finished:
+                self.running.remove(req)
+                self._release(req)
+        return reqs
+
+    def _check_finished(self, req: Req) -> None:
+        token, params = req.output_ids[-1], req.params
+        if len(req.output_ids) >= params.min_new_tokens:
+            if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_ids):
+                req.finish_reason, req.matched_stop = FinishReason.STOP, token
+                return
+            if params.stop and self.tokenizer is not None:
+                tail = self.tokenizer.decode(req.output_ids[-(max(map(len, params.stop)) + 8):])
+                for stop in params.stop:
+                    if stop in tail:
+                        req.finish_reason, req.matched_stop = FinishReason.STOP, stop
+                        return
+        if len(req.output_ids) >= params.max_new_tokens or req.seq_len >= self.runner.context_len:
+            req.finish_reason = FinishReason.LENGTH
+
+    # ---- introspection ---------------------------------------------------------------------
+
+    def kv_tokens_in_use(self) -> int:
+        """Slots held by requests or the prefix cache (what must be zero after a flush when idle)."""
+        return self.allocator.capacity_tokens - self.allocator.free_tokens
+
+    def flush_cache(self) -> bool:
+        return True if self.tree is None else self.tree.flush()

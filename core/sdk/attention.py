@@ -1,0 +1,87 @@
+"""What an attention backend receives, and the base class it implements."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+class KVCache:
+    """Keys and values of every cached token, one buffer per layer, indexed by slot.
+
+    Slot 0 is never handed to a request: padded index tables point there.
+    """
+
+    def __init__(self, num_slots: int, num_layers: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype) -> None:
+        shape = (num_slots, num_kv_heads, head_dim)
+        self.k_buffers = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        self.v_buffers = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        self.dtype = dtype
+
+    def store(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k_buffers[layer_id][slots] = k.to(self.dtype)
+        self.v_buffers[layer_id][slots] = v.to(self.dtype)
+
+
+@dataclass
+class ForwardBatch:
+    """One forward pass over a ragged batch: each request contributes `extend_lens[i]` new
+    tokens (a prefill chunk, or 1 for a decode step) on top of `prefix_lens[i]` tokens whose
+    keys and values are already cached.
+
+    input_ids, positions, out_cache_loc: [T], the new tokens of every request, concatenated.
+    kv_slots: [B, max(seq_lens)] cache slots of each request's tokens, 0-padded; the new tokens
+        are written to out_cache_loc, which equals their places in kv_slots.
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    out_cache_loc: torch.Tensor
+    kv_slots: torch.Tensor
+    prefix_lens: list[int]
+    extend_lens: list[int]
+    kv_cache: KVCache
+    attention: "AttentionBackend"
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.extend_lens)
+
+    @property
+    def seq_lens(self) -> list[int]:
+        return [p + e for p, e in zip(self.prefix_lens, self.extend_lens)]
+
+    @property
+    def is_decode(self) -> bool:
+        return all(e == 1 for e in self.extend_lens)
+
+    def last_token_indices(self) -> torch.Tensor:
+        return torch.tensor(self.extend_lens).cumsum(0) - 1
+
+
+class AttentionBackend(ABC):
+    """Causal attention of a batch's new tokens over their cached and new keys and values.
+
+    q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] of the new tokens.
+    `forward` stores k and v in the cache, then returns [T, num_heads, head_dim].
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+
+    def prepare(self, batch: ForwardBatch) -> None:
+        """Build whatever per-batch metadata every layer will reuse (once per forward pass)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                batch: ForwardBatch) -> torch.Tensor:
+        batch.kv_cache.store(layer_id, batch.out_cache_loc, k, v)
+        return self.attend(q, layer_id, batch)
+
+    @abstractmethod
+    def attend(self, q: torch.Tensor, layer_id: int, batch: ForwardBatch) -> torch.Tensor:
+        """Attention of q over the cache (which already holds this step's keys and values)."""

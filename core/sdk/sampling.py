@@ -1,0 +1,75 @@
+"""What a sampler plugin receives and returns."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling parameters, with SGLang's names and defaults."""
+
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    n: int = 1
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+@dataclass
+class SamplingBatch:
+    """One decoding step's requests, in the row order of the logits.
+
+    token_ids[i]: every token of request i so far (prompt then output), for the penalties;
+    prompt_lens[i]: how many of those are prompt; eos_token_ids: masked while a request has
+    produced fewer than min_new_tokens.
+    """
+
+    params: list[SamplingParams]
+    token_ids: list[list[int]]
+    prompt_lens: list[int]
+    eos_token_ids: list[int]
+
+    def __len__(self) -> int:
+        return len(self.params)
+
+    def output_len(self, i: int) -> int:
+        return len(self.token_ids[i]) - self.prompt_lens[i]
+
+
+@dataclass
+class SampleOutput:
+    """next_token_ids [B]; logprobs [B] of the chosen tokens (after penalties and temperature
+    are NOT applied: raw log-softmax of the model's logits), and top_logprobs as (values, ids)
+    [B, k] for the largest k any request asked for, when any request asked for them."""
+
+    next_token_ids: torch.Tensor
+    logprobs: torch.Tensor | None = None
+    top_logprobs: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+class Sampler(ABC):
+    """Turns a batch of logits [B, vocab] into next tokens."""
+
+    @abstractmethod
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
+        ...

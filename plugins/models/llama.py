@@ -1,0 +1,180 @@
+"""Llama-family decoder models on srv's KV cache: Llama (SmolLM2, Llama 3), Qwen2 and Qwen3.
+
+The three differ only in small switches read from the HF config: Qwen2 adds biases to the
+query/key/value projection, Qwen3 normalises queries and keys per head before rotary.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from srv.sdk.attention import ForwardBatch
+
+SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"}
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 whatever the served dtype, as the reference implementation does.
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, theta: float, rope_scaling: dict[str, Any] | None) -> None:
+        super().__init__()
+        if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type", "default")) != "default":
+            raise NotImplementedError(f"rope scaling {rope_scaling} is not supported yet")
+        self.head_dim, self.theta = head_dim, theta
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # Computed per call rather than kept as a buffer: the model is built on the meta device.
+        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim
+        inv_freq = 1.0 / (self.theta ** exponents)
+        freqs = positions.float()[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos(), emb.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, head_dim]; cos, sin: [T, head_dim]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return (x * cos[:, None, :] + rotated * sin[:, None, :]).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: Any, layer_id: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        bias = getattr(config, "attention_bias", False) or config.model_type == "qwen2"
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.qk_norm = config.model_type == "qwen3"
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+        out = batch.attention.forward(q, k, v, self.layer_id, batch)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: Any, layer_id: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, layer_id)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rotary, batch)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """forward(batch) returns float32 logits [B, vocab] of each request's last new token."""
+
+    # HF checkpoint names of the projections srv stores fused: (fused name, shard index).
+    FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+             "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        # A tied head reads the embedding matrix directly: no shared Parameter to re-tie after
+        # the model is materialised from the meta device.
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        attention = self.layers[0].self_attn
+        self.rotary = RotaryEmbedding(attention.head_dim, *rope_settings(config))
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        x = self.embed_tokens(batch.input_ids)
+        rotary = self.rotary(batch.positions)
+        batch.attention.prepare(batch)
+        for layer in self.layers:
+            x = layer(x, rotary, batch)
+        x = self.norm(x[batch.last_token_indices()])
+        head = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+        return F.linear(x, head).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            if "rotary_emb" in name or (name == "lm_head.weight" and self.tie_word_embeddings):
+                continue
+            module_path, _, leaf = name.rpartition(".")
+            parent, _, proj = module_path.rpartition(".")
+            if proj in self.FUSED:
+                fused, shard = self.FUSED[proj]
+                target = params[f"{parent}.{fused}.{leaf}"]
+                self._fused_shard(target, fused, shard, parent).copy_(tensor)
+                loaded.add(f"{parent}.{fused}.{leaf}")
+            else:
+                params[name].data.copy_(tensor)
+                loaded.add(name)
+        missing = set(params) - loaded
+        if missing:
+            raise ValueError(f"checkpoint is missing weights: {sorted(missing)[:8]}")
+
+    def _fused_shard(self, target: torch.Tensor, fused: str, shard: int, parent: str) -> torch.Tensor:
+        if fused == "gate_up_proj":
+            size = target.shape[0] // 2
+            return target.data.narrow(0, shard * size, size)
+        attention = self.get_submodule(parent)
+        sizes = [attention.q_size, attention.kv_size, attention.kv_size]
+        return target.data.narrow(0, sum(sizes[:shard]), sizes[shard])
+
+
+def rope_settings(config: Any) -> tuple[float, dict[str, Any] | None]:
+    """(theta, scaling) from either config layout: transformers 5 groups them in rope_parameters."""
+    parameters = getattr(config, "rope_parameters", None) or {}
+    theta = parameters.get("rope_theta") or getattr(config, "rope_theta", None) or 10000.0
+    return float(theta), parameters or getattr(config, "rope_scaling", None)
+
+
+def supports(config: Any) -> bool:
+    return any(a in SUPPORTED_ARCHITECTURES for a in (getattr(config, "architectures", None) or []))

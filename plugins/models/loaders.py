@@ -1,0 +1,71 @@
+"""Weight loaders: safetensors, PyTorch pickles, GGUF files and random weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from srv.sdk.models import ModelLoader
+
+
+class SafetensorsLoader(ModelLoader):
+    def accepts(self, path: Path) -> bool:
+        return path.is_dir() and any(path.glob("*.safetensors"))
+
+    def load(self, model: nn.Module, model_dir: Path) -> None:
+        model.load_weights(self._tensors(model_dir))
+
+    @staticmethod
+    def _tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+        from safetensors import safe_open
+
+        files = sorted(model_dir.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
+        for file in files:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+
+
+class PtLoader(ModelLoader):
+    PATTERNS = ("*.bin", "*.pt")
+
+    def accepts(self, path: Path) -> bool:
+        return path.is_dir() and any(any(path.glob(p)) for p in self.PATTERNS)
+
+    def load(self, model: nn.Module, model_dir: Path) -> None:
+        files = sorted(f for p in self.PATTERNS for f in model_dir.glob(p))
+        if not files:
+            raise FileNotFoundError(f"no *.bin or *.pt weight files in {model_dir}")
+        for file in files:
+            model.load_weights(torch.load(file, map_location="cpu", weights_only=True).items())
+
+
+class GGUFLoader(SafetensorsLoader):
+    """Dequantizes a GGUF file once into a cached Hugging Face directory, then loads that."""
+
+    def accepts(self, path: Path) -> bool:
+        return path.is_file() and path.suffix == ".gguf"
+
+    def prepare(self, path: Path) -> Path:
+        from srv.plugins.models.gguf_convert import convert_gguf
+
+        return convert_gguf(path)
+
+
+class DummyLoader(ModelLoader):
+    """Random weights with the shapes config.json describes, for profiling and tests."""
+
+    def load(self, model: nn.Module, model_dir: Path) -> None:
+        generator = torch.Generator().manual_seed(0)
+        std = getattr(getattr(model, "config", None), "initializer_range", 0.02)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.fill_(1.0)
+                else:
+                    param.copy_(torch.randn(param.shape, generator=generator) * std)
