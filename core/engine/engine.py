@@ -154,7 +154,7 @@ class Engine:
             "id": req.rid,
             "prompt_tokens": req.prompt_len,
             "completion_tokens": len(output_ids),
-            "cached_tokens": req.cached_prefix_len,
+            "cached_tokens": req.cached_tokens,
             "finish_reason": None if not req.finished else
             {"type": req.finish_reason.value, "matched": req.matched_stop},
         }

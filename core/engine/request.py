@@ -32,6 +32,7 @@ class Req:
     kv_len: int = 0
     allocated: int = 0
     cached_prefix_len: int = 0
+    cached_tokens: int = 0          # prompt tokens served from the prefix cache, over all admissions
     cache_node: Any = None
     finish_reason: FinishReason | None = None
     matched_stop: int | str | None = None

@@ -118,6 +118,7 @@ class Scheduler:
             req.cached_prefix_len = slots.numel()
             self.req_pool.table[req.row, : slots.numel()] = slots
         req.kv_len = req.allocated = req.cached_prefix_len
+        req.cached_tokens += req.cached_prefix_len
         self.stats.cached_prompt_tokens += req.cached_prefix_len
 
     def _release(self, req: Req) -> None:

@@ -1,0 +1,233 @@
+"""Greedy output of srv.Engine equals HF transformers' on the same weights, token for token."""
+
+from __future__ import annotations
+
+import functools
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+import srv
+from srv.engine.default_model import default_model_path
+from srv.plugin_manager import load_plugins
+
+NEW_TOKENS = 32
+GREEDY = {"max_new_tokens": NEW_TOKENS, "temperature": 0}
+
+PROMPTS = [
+    "The capital of France is",
+    "Write a haiku about the sea.",
+    "1, 2, 3, 4,",
+    "def fibonacci(n):",
+    "In a distant galaxy, a small robot named Pip discovered that the stars were singing. Every night it",
+    "Q: What is the boiling point of water at sea level?\nA:",
+    "Once upon a time",
+    "The three primary colors are red, yellow and",
+]
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    from srv.plugins.models.loaders import GGUFLoader
+
+    return GGUFLoader().prepare(default_model_path())
+
+
+def build_tiny_model(root: Path, kind: str, tokenizer_dir: Path) -> Path:
+    """A random-weight model from a config, saved as safetensors with the default tokenizer."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    common = dict(vocab_size=49152, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                  bos_token_id=1, eos_token_id=2, initializer_range=0.3)
+    torch.manual_seed(0)
+    if kind == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=False))
+    else:
+        model = Qwen3ForCausalLM(Qwen3Config(**common, head_dim=16, tie_word_embeddings=True))
+    path = root / kind
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory, default_model_dir) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny")
+    return {kind: build_tiny_model(root, kind, default_model_dir) for kind in ("llama", "qwen3")}
+
+
+@functools.cache
+def hf_model(path: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@functools.cache
+def hf_greedy(path: str, prompt_ids: tuple[int, ...]) -> list[int]:
+    model = hf_model(path)
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+                             max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def random_prompts(count: int, seed: int = 0) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    lengths = [3, 9, 17, 30, 41, 5, 64, 12][:count]
+    return [torch.randint(3, 49152, (n,), generator=generator).tolist() for n in lengths]
+
+
+def assert_matches_hf(engine: srv.Engine, model_dir: Path, prompt_ids: list[list[int]], results: list[dict]) -> None:
+    for ids, result in zip(prompt_ids, results):
+        assert result["output_ids"] == hf_greedy(str(model_dir), tuple(ids)), f"prompt {ids[:8]}..."
+
+
+def assert_all_kv_returned(engine: srv.Engine) -> None:
+    assert engine.flush_cache()
+    assert engine.call_in_scheduler(engine.scheduler.kv_tokens_in_use) == 0
+
+
+def make_engine(model_dir: Path, **flags) -> srv.Engine:
+    return srv.Engine(model_path=str(model_dir), dtype="float32", **flags)
+
+
+# ---- the default model ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def default_engine(default_model_dir):
+    with make_engine(default_model_path()) as engine:
+        yield engine
+
+
+def test_default_model_single_request(default_engine, default_model_dir):
+    ids = default_engine.tokenizer.encode(PROMPTS[0])
+    result = default_engine.generate(PROMPTS[0], GREEDY)
+    assert_matches_hf(default_engine, default_model_dir, [ids], [result])
+    assert result["meta_info"]["prompt_tokens"] == len(ids)
+    assert result["text"] == default_engine.tokenizer.decode(result["output_ids"], skip_special_tokens=True)
+
+
+def test_default_model_batch_of_8(default_engine, default_model_dir):
+    ids = [default_engine.tokenizer.encode(p) for p in PROMPTS]
+    results = default_engine.generate(PROMPTS, GREEDY)
+    assert_matches_hf(default_engine, default_model_dir, ids, results)
+    assert_all_kv_returned(default_engine)
+
+
+def test_default_model_prefix_cache_hit(default_engine, default_model_dir):
+    default_engine.flush_cache()
+    shared = PROMPTS[4]
+    first = default_engine.generate(shared + " sang back.", GREEDY)
+    second_prompt = shared + " listened closely."
+    second = default_engine.generate(second_prompt, GREEDY)
+    assert first["meta_info"]["cached_tokens"] == 0
+    assert second["meta_info"]["cached_tokens"] >= len(default_engine.tokenizer.encode(shared)) - 2
+    assert default_engine.scheduler.stats.cached_prompt_tokens >= second["meta_info"]["cached_tokens"]
+    assert_matches_hf(default_engine, default_model_dir, [default_engine.tokenizer.encode(second_prompt)], [second])
+    assert_all_kv_returned(default_engine)
+
+
+def test_default_model_bfloat16_within_tolerance(default_model_dir):
+    """bf16 against the fp32 reference: every prompt's first token is the same, and the top-5
+    next-token log-probabilities differ by at most BF16_LOGPROB_TOLERANCE."""
+    model = hf_model(str(default_model_dir))
+    with srv.Engine(dtype="bfloat16") as engine:
+        results = engine.generate(PROMPTS, {"max_new_tokens": 1, "temperature": 0, "top_logprobs": 5})
+        for prompt, result in zip(PROMPTS, results):
+            ids = engine.tokenizer.encode(prompt)
+            with torch.inference_mode():
+                reference = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].float(), -1)
+            assert result["output_ids"][0] == int(reference.argmax()), prompt
+            for token, logprob in result["meta_info"]["output_top_logprobs"][0]:
+                assert abs(logprob - float(reference[token])) <= BF16_LOGPROB_TOLERANCE, (prompt, token)
+
+
+BF16_LOGPROB_TOLERANCE = 0.25
+
+
+# ---- tiny random models, every feature --------------------------------------------------------
+
+ATTENTION_BACKENDS = load_plugins()[1].names("attention")
+SCHEDULE_POLICIES = load_plugins()[1].names("schedule_policy")
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@pytest.mark.parametrize("attention", ATTENTION_BACKENDS)
+def test_tiny_batched_every_attention_backend(tiny_models, kind, attention):
+    prompts = random_prompts(8)
+    with make_engine(tiny_models[kind], attention_backend=attention) as engine:
+        results = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+        assert_matches_hf(engine, tiny_models[kind], prompts, results)
+        assert_all_kv_returned(engine)
+
+
+@pytest.mark.parametrize("flags", [
+    {"chunked_prefill_size": 16},
+    {"page_size": 1},
+    {"page_size": 16},
+    {"page_size": 16, "chunked_prefill_size": 16},
+    {"disable_radix_cache": True},
+    {"enable_mixed_chunk": True, "chunked_prefill_size": 16},
+], ids=lambda f: ",".join(f"{k}={v}" for k, v in f.items()))
+def test_tiny_llama_memory_layouts(tiny_models, flags):
+    prompts = random_prompts(8, seed=1)
+    with make_engine(tiny_models["llama"], **flags) as engine:
+        results = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+        assert_matches_hf(engine, tiny_models["llama"], prompts, results)
+        assert_all_kv_returned(engine)
+
+
+@pytest.mark.parametrize("policy", SCHEDULE_POLICIES)
+def test_tiny_llama_every_schedule_policy(tiny_models, policy):
+    prompts = random_prompts(6, seed=2)
+    with make_engine(tiny_models["llama"], schedule_policy=policy, max_running_requests=3) as engine:
+        results = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+        assert_matches_hf(engine, tiny_models["llama"], prompts, results)
+
+
+def test_tiny_llama_prefix_cache_hits_are_counted(tiny_models):
+    shared = random_prompts(1, seed=3)[0] * 3
+    prompts = [shared + [7, 8, 9], shared + [10, 11]]
+    with make_engine(tiny_models["llama"], page_size=4) as engine:
+        first = engine.generate(input_ids=prompts[0], sampling_params=GREEDY)
+        second = engine.generate(input_ids=prompts[1], sampling_params=GREEDY)
+        assert first["meta_info"]["cached_tokens"] == 0
+        assert second["meta_info"]["cached_tokens"] == len(shared) // 4 * 4
+        assert_matches_hf(engine, tiny_models["llama"], prompts, [first, second])
+        assert_all_kv_returned(engine)
+
+
+def test_tiny_llama_retraction_keeps_outputs(tiny_models):
+    prompts = random_prompts(8, seed=4)
+    with make_engine(tiny_models["llama"], max_total_tokens=200, chunked_prefill_size=64) as engine:
+        results = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+        assert engine.scheduler.stats.retractions > 0
+        assert_matches_hf(engine, tiny_models["llama"], prompts, results)
+        assert_all_kv_returned(engine)
+
+
+def test_tiny_llama_requests_join_a_running_batch(tiny_models):
+    prompts = random_prompts(4, seed=5)
+    with make_engine(tiny_models["llama"]) as engine:
+        first = engine.generate(input_ids=prompts[0], sampling_params=GREEDY, stream=True)
+        chunks = [next(first), next(first)]  # the first request is decoding now
+        results: dict[int, dict] = {}
+
+        def run(i: int) -> None:
+            results[i] = engine.generate(input_ids=prompts[i], sampling_params=GREEDY)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in (1, 2, 3)]
+        for thread in threads:
+            thread.start()
+        chunks += list(first)
+        for thread in threads:
+            thread.join()
+        steps_with_company = engine.scheduler.stats.forward_steps
+        assert len(chunks[0]["output_ids"]) == 1
+        assert_matches_hf(engine, tiny_models["llama"], prompts, [chunks[-1]] + [results[i] for i in (1, 2, 3)])
+        assert steps_with_company < 4 * NEW_TOKENS  # decodes of different requests shared steps
