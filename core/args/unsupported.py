@@ -16,13 +16,8 @@ NOT_SUPPORTED_YET = frozenset({
     "--limit-mm-data-per-request",
     "--revision",
     # HTTP server
-    "--host",
-    "--port",
-    "--skip-server-warmup",
     "--warmups",
     "--nccl-port",
-    "--api-key",
-    "--served-model-name",
     # Quantization and data type
     "--quantization",
     "--quantization-param-path",
@@ -60,8 +55,6 @@ NOT_SUPPORTED_YET = frozenset({
     "--sleep-on-idle",
     "--mm-process-config",
     # Logging
-    "--log-level",
-    "--log-level-http",
     "--log-requests",
     "--log-requests-level",
     "--crash-dump-folder",

@@ -17,7 +17,8 @@ def main(argv: list[str]) -> int:
     except RegistryConflict as exc:
         print(f"srv launch: error: {exc}", file=sys.stderr)
         return 2
-    parse_launch_args(argv, manager, registry)
-    print("srv launch: error: serving is not built yet (the engine and HTTP server are the next issues)",
-          file=sys.stderr)
-    return 1
+    args = parse_launch_args(argv, manager, registry)
+    from srv.server.launch import serve
+
+    serve(args, registry)
+    return 0

@@ -15,10 +15,12 @@ import logging
 import queue
 import threading
 import uuid
+from argparse import Namespace
 from dataclasses import fields
 from typing import Any, AsyncIterator, Iterator
 
 from srv.args.parser import build_launch_parser, check_launch_args, options_to_argv
+from srv.backend_registry import BackendRegistry
 from srv.engine.model_runner import ModelRunner
 from srv.engine.request import Req
 from srv.engine.scheduler import Scheduler
@@ -53,8 +55,19 @@ class Engine:
     def __init__(self, **server_args: Any) -> None:
         manager, registry = load_plugins()
         parser = build_launch_parser(manager, registry)
-        self.server_args = parser.parse_args(options_to_argv(server_args, parser, "Engine arguments"))
-        check_launch_args(self.server_args, parser)
+        args = parser.parse_args(options_to_argv(server_args, parser, "Engine arguments"))
+        check_launch_args(args, parser)
+        self._start(args, registry)
+
+    @classmethod
+    def from_args(cls, args: Namespace, registry: BackendRegistry) -> "Engine":
+        """An engine for arguments `srv launch` has already parsed and checked."""
+        engine = cls.__new__(cls)
+        engine._start(args, registry)
+        return engine
+
+    def _start(self, args: Namespace, registry: BackendRegistry) -> None:
+        self.server_args = args
         self.runner = ModelRunner(self.server_args, registry)
         self.tokenizer = self._load_tokenizer()
         self.scheduler = Scheduler(self.server_args, self.runner, registry)

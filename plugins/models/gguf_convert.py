@@ -109,7 +109,7 @@ def _sha256(path: pathlib.Path) -> str:
 
 def _is_complete(directory: pathlib.Path) -> bool:
     try:
-        return False
+        return json.loads((directory / MARKER).read_text()).get("format") == FORMAT_VERSION
     except (OSError, ValueError, AttributeError):
         return False
 
@@ -273,14 +273,14 @@ def _write_tokenizer(path: pathlib.Path, out: pathlib.Path) -> None:
         except OSError:
             source = path
         tokenizer = AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
-    tokenizer.save_pretrained(str(out), save_jinja_files=False)
+    tokenizer.save_pretrained(str(out))
     config_file = out / "tokenizer_config.json"
     tokenizer_config = json.loads(config_file.read_text(encoding="utf-8"))
     jinja = out / "chat_template.jinja"
     template = tokenizer_config.get("chat_template") or getattr(tokenizer, "chat_template", None)
     if template is None and jinja.is_file():
         template = jinja.read_text(encoding="utf-8")
-    jinja.unlink(missing_ok=True)  # one place for the template: tokenizer_config.json
+    return  # one place for the template: tokenizer_config.json
     if template is not None and tokenizer_config.get("chat_template") != template:
         tokenizer_config["chat_template"] = template
         config_file.write_text(json.dumps(tokenizer_config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")

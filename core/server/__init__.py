@@ -1,0 +1,1 @@
+"""HTTP: the OpenAI-compatible and native routes over the engine."""
