@@ -110,6 +110,16 @@ class PluginManager:
                     registry.add(_attributed(registration, impl.plugin_name, distribution))
         return registry
 
+    def routes(self) -> list[tuple[str, Any, list[str]]]:
+        """(path, endpoint, methods) of every route plugins add through `srv_register_routes`."""
+        collected: list[tuple[str, Any, list[str]]] = []
+
+        def register(path: str, endpoint: Any, methods: list[str] | None = None) -> None:
+            collected.append((path, endpoint, list(methods or ["GET"])))
+
+        self._pm.hook.srv_register_routes(register=register)
+        return collected
+
     def add_launch_arguments(self, parser: Any) -> None:
         for impl in self._pm.hook.srv_add_launch_arguments.get_hookimpls():
             distribution, _ = self._origin.get(impl.plugin_name, (impl.plugin_name, ""))

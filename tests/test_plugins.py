@@ -152,3 +152,38 @@ def test_registered_factories_build_their_backends():
 
     nodes = [Node(3, 1.0), Node(1, 5.0), Node(1, 2.0)]
     assert sorted(nodes, key=lfu.eviction_key) == [nodes[2], nodes[1], nodes[0]]
+
+
+class FlagsAndRoutesPlugin:
+    @hookimpl
+    def srv_add_launch_arguments(self, parser):
+        parser.add_argument("--my-kernel-tile", type=int, default=64, help="tile size of my kernel")
+
+    @hookimpl
+    def srv_register_routes(self, register):
+        register("/my-plugin/status", self.status, methods=["GET"])
+
+    async def status(self, request):
+        from starlette.responses import JSONResponse
+
+        return JSONResponse({"ok": True})
+
+
+def test_plugins_add_their_own_launch_flags_and_routes():
+    from srv.args.parser import build_launch_parser, parse_launch_args
+
+    manager = PluginManager()
+    manager.load_entry_points()
+    manager.register(FlagsAndRoutesPlugin(), "flags-and-routes", distribution="srv-my-kernel")
+    registry = manager.build_registry()
+    assert parse_launch_args(["--my-kernel-tile", "128"], manager, registry).my_kernel_tile == 128
+    assert "plugin flags-and-routes (srv-my-kernel)" in build_launch_parser(manager, registry).format_help()
+    [(path, endpoint, methods)] = manager.routes()
+    assert (path, methods) == ("/my-plugin/status", ["GET"])
+
+    from starlette.applications import Starlette
+    from starlette.routing import Route
+    from starlette.testclient import TestClient
+
+    app = Starlette(routes=[Route(path, endpoint, methods=methods)])
+    assert TestClient(app).get("/my-plugin/status").json() == {"ok": True}

@@ -49,8 +49,9 @@ def sse(data: Any) -> str:
 
 
 class ServerApp:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, plugin_routes: list[tuple[str, Any, list[str]]] = ()) -> None:
         self.engine = engine
+        self.plugin_routes = [Route(path, endpoint, methods=methods) for path, endpoint, methods in plugin_routes]
         args = engine.server_args
         self.model_name = args.served_model_name or args.model_path or "SmolLM2-135M-Instruct"
         self.api_key = args.api_key
@@ -62,6 +63,7 @@ class ServerApp:
             Route("/generate", self.generate, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            *self.plugin_routes,
         ]
 
     def build(self) -> Starlette:
