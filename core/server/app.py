@@ -10,7 +10,7 @@ import hmac
 import json
 import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -139,19 +139,11 @@ class ServerApp:
         params = openai_sampling_params(body)
         created, rid = int(time.time()), f"cmpl-{uuid.uuid4().hex}"
         if body.get("stream"):
-            stream = await self._stream(text, ids, params)
+            def chunk(delta: str, finish: str | None, first: bool) -> dict[str, Any]:
+                return {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
+                        "choices": [{"index": 0, "text": delta, "logprobs": None, "finish_reason": finish}]}
 
-            async def events():
-                sent = ""
-                async for result in stream:
-                    delta, sent = result["text"][len(sent):], result["text"]
-                    finish = result["meta_info"]["finish_reason"]
-                    yield sse({"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
-                               "choices": [{"index": 0, "text": delta, "logprobs": None,
-                                            "finish_reason": finish and finish["type"]}]})
-                yield "data: [DONE]\n\n"
-
-            return StreamingResponse(events(), media_type="text/event-stream")
+            return event_stream(await self._stream(text, ids, params), chunk)
         result = await self._run(text, ids, params)
         meta = result["meta_info"]
         return JSONResponse({
@@ -170,21 +162,12 @@ class ServerApp:
         params = openai_sampling_params(body)
         created, rid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
         if body.get("stream"):
-            stream = await self._stream(prompt, None, params)
+            def chunk(delta: str, finish: str | None, first: bool) -> dict[str, Any]:
+                message = {"role": "assistant", "content": delta} if first else {"content": delta}
+                return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
+                        "choices": [{"index": 0, "delta": message, "finish_reason": finish}]}
 
-            async def events():
-                sent, first = "", True
-                async for result in stream:
-                    delta, sent = result["text"][len(sent):], result["text"]
-                    finish = result["meta_info"]["finish_reason"]
-                    message = {"role": "assistant", "content": delta} if first else {"content": delta}
-                    first = False
-                    yield sse({"id": rid, "object": "chat.completion.chunk", "created": created,
-                               "model": self.model_name,
-                               "choices": [{"index": 0, "delta": message, "finish_reason": finish and finish["type"]}]})
-                yield "data: [DONE]\n\n"
-
-            return StreamingResponse(events(), media_type="text/event-stream")
+            return event_stream(await self._stream(prompt, None, params), chunk)
         result = await self._run(prompt, None, params)
         meta = result["meta_info"]
         return JSONResponse({
@@ -203,6 +186,22 @@ class ServerApp:
                 content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
             normalized.append({**message, "content": content or ""})
         return self.engine.tokenizer.apply_chat_template(normalized, tokenize=False, add_generation_prompt=True)
+
+
+def event_stream(results: AsyncIterator[dict[str, Any]],
+                 chunk: Callable[[str, str | None, bool], dict[str, Any]]) -> StreamingResponse:
+    """Server-sent events of the text each engine result adds, built by `chunk`, then [DONE]."""
+
+    async def events() -> AsyncIterator[str]:
+        sent, first = "", True
+        async for result in results:
+            delta, sent = result["text"][len(sent):], result["text"]
+            finish = result["meta_info"]["finish_reason"]
+            yield sse(chunk(delta, finish and finish["type"], first))
+            first = False
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")
 
 
 def usage(meta: dict[str, Any]) -> dict[str, int]:
