@@ -27,7 +27,7 @@ def plugin_sources() -> list[tuple[Path, str]]:
     for family in (ROOT / "plugins").iterdir():
         if family.is_dir():
             sources += [(p, f"srv.plugins.{family.name}") for p in family.rglob("*.py")]
-    for example in (ROOT / "examples").iterdir():
+    for example in (ROOT / "examples").glob("*"):
         if example.is_dir():
             sources += [(p, "") for p in example.rglob("*.py")]
     return sources
