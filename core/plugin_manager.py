@@ -61,10 +61,6 @@ class PluginManager:
         self._pm.register(plugin, name=name)
         self._origin[name] = (distribution or name, version)
 
-    def unregister(self, name: str) -> None:
-        self._pm.unregister(name=name)
-        self._origin.pop(name, None)
-
     def load_entry_points(self) -> None:
         allowed = _names_from_env(ALLOW_ENV)
         blocked = _names_from_env(BLOCK_ENV) or set()

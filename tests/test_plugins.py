@@ -187,3 +187,14 @@ def test_plugins_add_their_own_launch_flags_and_routes():
 
     app = Starlette(routes=[Route(path, endpoint, methods=methods)])
     assert TestClient(app).get("/my-plugin/status").json() == {"ok": True}
+
+
+def test_sdk_availability_helpers_say_what_is_missing():
+    from srv.sdk import all_of, requires_cuda, requires_packages
+
+    assert requires_packages("json", "pluggy")().ok
+    missing = requires_packages("json", "no_such_module_xyz")()
+    assert not missing.ok and missing.reason == "needs the Python package(s) no_such_module_xyz (not installed)"
+    combined = all_of(requires_cuda, requires_packages("no_such_module_xyz"))()
+    assert combined.reason == "needs CUDA; torch sees no GPU; needs the Python package(s) no_such_module_xyz (not installed)"
+    assert all_of(requires_packages("json"))().ok

@@ -55,9 +55,5 @@ def load_flag_specs() -> tuple[FlagSpec, ...]:
     return tuple(specs)
 
 
-def flag_specs_by_dest() -> dict[str, FlagSpec]:
-    return {spec.dest: spec for spec in load_flag_specs()}
-
-
 def sections() -> list[str]:
     return list(dict.fromkeys(spec.section for spec in load_flag_specs()))

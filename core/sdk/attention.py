@@ -34,7 +34,7 @@ class ForwardBatch:
     keys and values are already cached.
 
     input_ids, positions, out_cache_loc: [T], the new tokens of every request, concatenated.
-    kv_slots: [B, max(seq_lens)] cache slots of each request's tokens, 0-padded; the new tokens
+    kv_slots: [B, max(prefix + extend)] cache slots of each request's tokens, 0-padded; the new tokens
         are written to out_cache_loc, which equals their places in kv_slots.
     """
 
@@ -51,10 +51,6 @@ class ForwardBatch:
     @property
     def batch_size(self) -> int:
         return len(self.extend_lens)
-
-    @property
-    def seq_lens(self) -> list[int]:
-        return [p + e for p, e in zip(self.prefix_lens, self.extend_lens)]
 
     @property
     def is_decode(self) -> bool:
