@@ -7,6 +7,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -42,3 +43,38 @@ class FakeDistributions:
 @pytest.fixture
 def fake_dists(tmp_path: Path) -> FakeDistributions:
     return FakeDistributions(tmp_path / "site")
+
+
+# ---- models for engine tests: the default GGUF, converted once, and tiny random ones ----
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    from srv.engine.default_model import default_model_path
+    from srv.plugins.models.loaders import GGUFLoader
+
+    return GGUFLoader().prepare(default_model_path())
+
+
+def build_tiny_model(root: Path, kind: str, tokenizer_dir: Path) -> Path:
+    """A random-weight model from a config, saved as safetensors with the default tokenizer."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    common = dict(vocab_size=49152, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                  bos_token_id=1, eos_token_id=2, initializer_range=0.3)
+    torch.manual_seed(0)
+    if kind == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=False))
+    else:
+        model = Qwen3ForCausalLM(Qwen3Config(**common, head_dim=16, tie_word_embeddings=True))
+    path = root / kind
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory, default_model_dir) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny")
+    return {kind: build_tiny_model(root, kind, default_model_dir) for kind in ("llama", "qwen3")}

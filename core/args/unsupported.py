@@ -28,10 +28,6 @@ NOT_SUPPORTED_YET = frozenset({
     "--enable-fp32-lm-head",
     # Memory and scheduling
     "--max-queued-requests",
-    "--enable-priority-scheduling",
-    "--schedule-low-priority-values-first",
-    "--priority-scheduling-preemption-threshold",
-    "--schedule-conservativeness",
     "--hybrid-kvcache-ratio",
     "--swa-full-tokens-ratio",
     "--disable-hybrid-swa-memory",
@@ -44,7 +40,6 @@ NOT_SUPPORTED_YET = frozenset({
     "--pp-max-micro-batch-size",
     "--stream-interval",
     "--stream-output",
-    "--random-seed",
     "--constrained-json-whitespace-pattern",
     "--constrained-json-disable-any-whitespace",
     "--watchdog-timeout",

@@ -34,6 +34,7 @@ class Req:
     cached_prefix_len: int = 0
     cached_tokens: int = 0          # prompt tokens served from the prefix cache, over all admissions
     cache_node: Any = None
+    prefix_node: Any = None         # deepest cached prefix while waiting, for scheduling policies
     finish_reason: FinishReason | None = None
     matched_stop: int | str | None = None
     logprobs: list[float] = field(default_factory=list)

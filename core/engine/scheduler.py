@@ -26,6 +26,9 @@ logger = logging.getLogger("srv.scheduler")
 # On CPU a long prefill chunk stalls every running decode; this bounds that stall.
 DEFAULT_CPU_CHUNKED_PREFILL_SIZE = 2048
 DEFAULT_MAX_RUNNING_REQUESTS = 256
+INIT_NEW_TOKEN_RATIO = 0.7
+MIN_NEW_TOKEN_RATIO = 0.1
+NEW_TOKEN_RATIO_DECAY = 0.001
 
 
 @dataclass
@@ -54,6 +57,11 @@ class Scheduler:
         self.chunk_size = args.chunked_prefill_size or DEFAULT_CPU_CHUNKED_PREFILL_SIZE
         if self.chunk_size <= 0:   # SGLang's -1: chunking off
             self.chunk_size = args.max_prefill_tokens
+        # Share of the running requests' remaining output to keep free when admitting more;
+        # it decays while decoding goes well and resets on a retraction, as in SGLang.
+        self.init_new_token_ratio = min(1.0, INIT_NEW_TOKEN_RATIO * args.schedule_conservativeness)
+        self.min_new_token_ratio = min(self.init_new_token_ratio, MIN_NEW_TOKEN_RATIO * args.schedule_conservativeness)
+        self.new_token_ratio = self.init_new_token_ratio
         self.eos_ids = self._eos_ids(runner)
         self.waiting: list[Req] = []
         self.running: list[Req] = []
@@ -118,8 +126,6 @@ class Scheduler:
             req.cached_prefix_len = slots.numel()
             self.req_pool.table[req.row, : slots.numel()] = slots
         req.kv_len = req.allocated = req.cached_prefix_len
-        req.cached_tokens += req.cached_prefix_len
-        self.stats.cached_prompt_tokens += req.cached_prefix_len
 
     def _release(self, req: Req) -> None:
         """Return a request's KV: full pages go to the prefix cache, the rest back to the pool."""
@@ -138,56 +144,92 @@ class Scheduler:
         self.req_pool.free(req.row)
         req.row, req.kv_len, req.allocated, req.cached_prefix_len, req.cache_node = None, 0, 0, 0, None
 
-    def _retract(self) -> None:
-        """Free the KV of the most recent running request and queue it again; it resumes later
-        from its prompt and output so far (mostly found again in the prefix cache)."""
-        victim = max(self.running, key=lambda r: r.arrival_index)
+    def _retract(self, victim: Req | None = None, why: str = "KV memory full") -> None:
+        """Free the KV of a running request (by default the most recent) and queue it again; it
+        resumes later from its prompt and output so far (mostly found again in the prefix cache)."""
+        victim = victim or max(self.running, key=lambda r: r.arrival_index)
         self.running.remove(victim)
         self._release(victim)
         victim.retractions += 1
         self.stats.retractions += 1
+        self.new_token_ratio = self.init_new_token_ratio
         self.waiting.insert(0, victim)
-        logger.info("retracted request %s (KV memory full), %d running", victim.rid, len(self.running))
+        logger.info("retracted request %s (%s), %d running", victim.rid, why, len(self.running))
+
+    def _priority_key(self, req: Req) -> int:
+        return req.priority if self.args.schedule_low_priority_values_first else -req.priority
+
+    def _preempt_for(self, req: Req, scheduled: list[Req]) -> bool:
+        """With --enable-priority-scheduling, retract the lowest-priority running request (not
+        already in this step's batch) when `req` outranks it by more than
+        --priority-scheduling-preemption-threshold."""
+        candidates = [r for r in self.running if all(r is not s for s in scheduled)]
+        if not self.args.enable_priority_scheduling or not candidates:
+            return False
+        victim = max(candidates, key=lambda r: (self._priority_key(r), r.arrival_index))
+        if self._priority_key(victim) - self._priority_key(req) <= self.args.priority_scheduling_preemption_threshold:
+            return False
+        self._retract(victim, f"preempted by higher-priority request {req.rid}")
+        return True
+
+    def _decode_headroom(self) -> int:
+        """KV tokens to keep free for the running requests' future output when admitting more:
+        their remaining max_new_tokens, scaled by the adaptive new-token ratio."""
+        remaining = sum(r.max_new_tokens - len(r.output_ids) for r in self.running)
+        return int(remaining * self.new_token_ratio) + len(self.running) * self.allocator.page_size
 
     # ---- one step ------------------------------------------------------------------------
 
     def _schedule_prefill(self) -> list[tuple[Req, int]]:
         if self.policy.needs_prefix_match and self.tree is not None:
             for req in self.waiting:
-                req.cached_prefix_len = self.tree.match_prefix(req.token_ids[: req.seq_len - 1])[0].numel()
+                slots, req.prefix_node = self.tree.match_prefix(req.token_ids[: req.seq_len - 1])
+                req.cached_prefix_len = slots.numel()
         budget = min(self.args.max_prefill_tokens, self.chunk_size)
         scheduled: list[tuple[Req, int]] = []
         partial = [r for r in self.running if r.kv_len + 1 < r.seq_len]
-        candidates = partial + self.policy.order(self.waiting)
-        for req in candidates:
+        waiting = self.policy.order(self.waiting)
+        if self.args.enable_priority_scheduling:
+            waiting.sort(key=self._priority_key)
+        for req in partial + waiting:
             if budget <= 0:
                 break
-            new = req.row is None
-            if new:
-                if len(self.running) >= self.max_running or self.req_pool.free_rows == 0:
+            if req.row is None:
+                if not self._try_admit(req, budget, [r for r, _ in scheduled]):
                     break
-                self._admit(req)
             extend = min(req.seq_len - req.kv_len, budget)
-            # Keep room for one more token of every running request, so admissions don't force retractions.
-            headroom = len(self.running) * self.allocator.page_size
             try:
-                if not self._make_room(extend + headroom):
-                    raise OutOfKVMemory
                 self._reserve(req, req.kv_len + extend)
             except OutOfKVMemory:
-                if new:
-                    self._release(req)
                 break
-            if new:
-                self.waiting.remove(req)
-                self.running.append(req)
-                self.stats.prompt_tokens += req.prompt_len
             scheduled.append((req, extend))
             budget -= extend
         return scheduled
 
+    def _try_admit(self, req: Req, budget: int, scheduled: list[Req]) -> bool:
+        """Admit a waiting request if a row and KV memory for its next chunk (plus the running
+        requests' headroom) are available, preempting lower-priority work where allowed."""
+        while True:
+            if len(self.running) < self.max_running and self.req_pool.free_rows:
+                self._admit(req)
+                extend = min(req.seq_len - req.kv_len, budget)
+                own_output = int(self.new_token_ratio * (req.max_new_tokens - len(req.output_ids)))
+                if self._make_room(extend + own_output + self._decode_headroom()):
+                    break
+                self._release(req)
+            if not self._preempt_for(req, scheduled):
+                return False
+        self.waiting.remove(req)
+        self.running.append(req)
+        self.stats.prompt_tokens += req.prompt_len
+        req.cached_tokens += req.cached_prefix_len
+        self.stats.cached_prompt_tokens += req.cached_prefix_len
+        return True
+
     def _schedule_decode(self) -> list[tuple[Req, int]]:
         decoding = [r for r in self.running if r.kv_len + 1 == r.seq_len]
+        if decoding:
+            self.new_token_ratio = max(self.min_new_token_ratio, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         while decoding:
             try:
                 for req in decoding:
@@ -231,9 +273,16 @@ class Scheduler:
         return logits
 
     def _process(self, batch: list[tuple[Req, int]], logits: torch.Tensor) -> list[Req]:
-        ready = [i for i, (req, _) in enumerate(batch) if req.kv_len == req.seq_len]
+        complete = [i for i, (req, _) in enumerate(batch) if req.kv_len == req.seq_len]
+        # max_new_tokens=0 only fills the cache (the prompt of an n > 1 request): nothing to sample.
+        prefill_only = [batch[i][0] for i in complete if batch[i][0].max_new_tokens == 0]
+        for req in prefill_only:
+            req.finish_reason = FinishReason.LENGTH
+            self.running.remove(req)
+            self._release(req)
+        ready = [i for i in complete if batch[i][0].max_new_tokens > 0]
         if not ready:
-            return []
+            return prefill_only
         reqs = [batch[i][0] for i in ready]
         sampling = SamplingBatch([r.params for r in reqs], [r.token_ids for r in reqs],
                                  [r.prompt_len for r in reqs], self.eos_ids)
@@ -252,7 +301,7 @@ class Scheduler:
             if req.finished:
                 self.running.remove(req)
                 self._release(req)
-        return reqs
+        return prefill_only + reqs
 
     def _check_finished(self, req: Req) -> None:
         token, params = req.output_ids[-1], req.params

@@ -6,6 +6,12 @@ from abc import ABC, abstractmethod
 from typing import Any, Protocol, Sequence, TypeVar
 
 
+class PrefixNode(Protocol):
+    """A node of the prefix cache's tree; the root's parent is None."""
+
+    parent: "PrefixNode | None"
+
+
 class WaitingRequest(Protocol):
     """What a policy may read of a waiting request."""
 
@@ -14,6 +20,7 @@ class WaitingRequest(Protocol):
     prompt_len: int
     max_new_tokens: int
     cached_prefix_len: int      # tokens found in the prefix cache (filled when the policy asks)
+    prefix_node: PrefixNode | None  # the deepest prefix-cache node matched (filled likewise)
 
 
 R = TypeVar("R", bound=WaitingRequest)
@@ -22,8 +29,9 @@ R = TypeVar("R", bound=WaitingRequest)
 class SchedulePolicy(ABC):
     """Orders the waiting queue before each admission round."""
 
-    #: Set to True to have `cached_prefix_len` refreshed before each `order` call (it costs a
-    #: prefix-cache lookup per waiting request).
+    #: Set to True to have `cached_prefix_len` and `prefix_node` refreshed before each `order`
+    #: call (it costs a prefix-cache lookup per waiting request; without a prefix cache they
+    #: stay 0 and None).
     needs_prefix_match: bool = False
 
     def __init__(self, server_args: Any = None) -> None:

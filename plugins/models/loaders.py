@@ -7,6 +7,7 @@ from typing import Iterator
 
 import torch
 from torch import nn
+from tqdm import tqdm
 
 from srv.sdk.models import ModelLoader
 
@@ -27,7 +28,8 @@ class SafetensorsLoader(ModelLoader):
             raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
         for file in files:
             with safe_open(str(file), framework="pt") as f:
-                for name in f.keys():
+                names = list(f.keys())
+                for name in tqdm(names, desc=f"loading {file.name}", unit="tensor", disable=None, leave=False):
                     yield name, f.get_tensor(name)
 
 
