@@ -45,11 +45,11 @@ class ModelRunner:
         logger.info("loaded %s (%s, %s) in %.1fs", path.name, self.config.architectures[0], self.dtype,
                     time.monotonic() - started)
         self.context_len = args.context_length or getattr(self.config, "max_position_embeddings", 4096)
-        attention = self.model.layers[0].self_attn if hasattr(self.model, "layers") else None
+        # Attention shapes from the config, whichever --model-impl built the model.
         self.num_layers = self.config.num_hidden_layers
-        self.num_kv_heads = attention.num_kv_heads
-        self.head_dim = attention.head_dim
-        self.num_heads = attention.num_heads
+        self.num_heads = self.config.num_attention_heads
+        self.num_kv_heads = getattr(self.config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(self.config, "head_dim", None) or self.config.hidden_size // self.num_heads
         self.prefill_attention = self._attention(args.prefill_attention_backend or args.attention_backend)
         self.decode_attention = self._attention(args.decode_attention_backend or args.attention_backend)
         self.sampler = registry.choose("sampling", args.sampling_backend).create(args)

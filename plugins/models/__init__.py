@@ -9,7 +9,7 @@ from srv.sdk.models import ModelImpl
 
 
 class NativeModels(ModelImpl):
-    """srv's own implementations of the Llama family (Llama, SmolLM2, Qwen2, Qwen3, Mistral)."""
+    """srv's own implementations of the Llama family (Llama, SmolLM2, Qwen2, Qwen3)."""
 
     def supports(self, config: Any) -> bool:
         from srv.plugins.models.llama import supports
@@ -22,11 +22,27 @@ class NativeModels(ModelImpl):
         return LlamaForCausalLM(config)
 
 
+class TransformersModels(ModelImpl):
+    """Any Hugging Face causal LM, as transformers builds it, with its attention on srv's KV cache."""
+
+    def supports(self, config: Any) -> bool:
+        from srv.plugins.models.transformers_impl import supports
+
+        return supports(config)
+
+    def build(self, config: Any):
+        from srv.plugins.models.transformers_impl import TransformersModel
+
+        return TransformersModel(config)
+
+
 @hookimpl
 def srv_register_model_impls(register):
-    description = "srv's native layers (Llama, Qwen2, Qwen3, Mistral) on srv's KV cache"
+    description = "srv's native layers (Llama, Qwen2, Qwen3) on srv's KV cache"
     register("srv", NativeModels, description=description, priority=10)
     register("sglang", NativeModels, description="SGLang's name for the native implementation: same as srv")
+    register("transformers", TransformersModels, priority=0,
+             description="any Hugging Face causal LM through transformers' AttentionInterface on srv's KV cache")
 
 
 @hookimpl

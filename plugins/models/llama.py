@@ -14,7 +14,7 @@ from torch.nn import functional as F
 
 from srv.sdk.attention import ForwardBatch
 
-SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"}
+SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
 
 
 class RMSNorm(nn.Module):
