@@ -58,7 +58,8 @@ def default_model_dir() -> Path:
 
 def build_tiny_model(root: Path, kind: str, tokenizer_dir: Path) -> Path:
     """A random-weight model from a config, saved as safetensors with the default tokenizer."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers import (AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+                              Qwen3Config, Qwen3ForCausalLM)
 
     common = dict(vocab_size=49152, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
@@ -66,6 +67,8 @@ def build_tiny_model(root: Path, kind: str, tokenizer_dir: Path) -> Path:
     torch.manual_seed(0)
     if kind == "llama":
         model = LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=False))
+    elif kind == "qwen2":  # biases on the query/key/value projections
+        model = Qwen2ForCausalLM(Qwen2Config(**common, tie_word_embeddings=False))
     else:
         model = Qwen3ForCausalLM(Qwen3Config(**common, head_dim=16, tie_word_embeddings=True))
     path = root / kind
@@ -77,4 +80,4 @@ def build_tiny_model(root: Path, kind: str, tokenizer_dir: Path) -> Path:
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory, default_model_dir) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny")
-    return {kind: build_tiny_model(root, kind, default_model_dir) for kind in ("llama", "qwen3")}
+    return {kind: build_tiny_model(root, kind, default_model_dir) for kind in ("llama", "qwen2", "qwen3")}

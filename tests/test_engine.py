@@ -125,7 +125,7 @@ ATTENTION_BACKENDS = load_plugins()[1].names("attention")
 SCHEDULE_POLICIES = load_plugins()[1].names("schedule_policy")
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("attention", ATTENTION_BACKENDS)
 def test_tiny_batched_every_attention_backend(tiny_models, kind, attention):
     prompts = random_prompts(8)

@@ -11,6 +11,7 @@ import torch
 
 import srv
 from srv.engine.default_model import default_model_path
+from srv.plugin_manager import load_plugins
 from srv.plugins.scheduling.policies import DFSWeightPolicy
 from test_engine import (GREEDY, assert_all_kv_returned, assert_matches_hf, hf_greedy, hf_model, make_engine,
                          random_prompts)
@@ -153,3 +154,49 @@ def test_dfs_weight_runs_requests_of_the_heaviest_prefix_first():
     waiting = [req(0, lonely), req(1, deeper), req(2, root), req(3, shared), req(4, deeper)]
     order = [r.arrival_index for r in DFSWeightPolicy().order(waiting)]
     assert order == [2, 3, 1, 4, 0]
+
+
+@pytest.mark.parametrize("policy", load_plugins()[1].names("eviction_policy"))
+def test_eviction_under_memory_pressure_keeps_outputs_exact(tiny_models, policy):
+    rounds = [random_prompts(4, seed=10), random_prompts(4, seed=11), random_prompts(4, seed=10)]
+    with make_engine(tiny_models["llama"], max_total_tokens=320, radix_eviction_policy=policy) as engine:
+        for prompts in rounds:
+            results = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+            assert_matches_hf(engine, tiny_models["llama"], prompts, results)
+        assert engine.scheduler.tree.evicted_tokens > 0
+        assert_all_kv_returned(engine)
+
+
+@pytest.mark.parametrize("policy, hot_survives", [("lfu", True), ("lru", False)])
+def test_eviction_order_follows_the_policy(tiny_models, policy, hot_survives):
+    generator = torch.Generator().manual_seed(12)
+    hot, cold, filler = (torch.randint(3, 49152, (n,), generator=generator).tolist() for n in (40, 40, 60))
+    short = {"max_new_tokens": 1, "temperature": 0}
+    with make_engine(tiny_models["llama"], max_total_tokens=120, radix_eviction_policy=policy) as engine:
+        for _ in range(3):
+            engine.generate(input_ids=hot, sampling_params=short)
+        engine.generate(input_ids=cold, sampling_params=short)
+        engine.generate(input_ids=filler, sampling_params=short)  # needs room: one prefix must go
+        assert engine.scheduler.tree.evicted_tokens > 0
+        cached = engine.generate(input_ids=hot, sampling_params=short)["meta_info"]["cached_tokens"]
+        assert (cached == len(hot) - 1) == hot_survives
+
+
+@pytest.mark.anyio
+async def test_async_generate_and_async_stream(tiny_models):
+    prompt = random_prompts(1, seed=14)[0]
+    with make_engine(tiny_models["llama"]) as engine:
+        result = await engine.async_generate(input_ids=prompt, sampling_params=GREEDY)
+        chunks = [chunk async for chunk in await engine.async_generate(input_ids=prompt, sampling_params=GREEDY,
+                                                                        stream=True)]
+        assert chunks[-1]["output_ids"] == result["output_ids"] == hf_greedy(str(tiny_models["llama"]), tuple(prompt))
+        assert [len(c["output_ids"]) for c in chunks] == list(range(1, len(chunks) + 1))
+
+
+def test_model_overrides_and_context_length(tiny_models, default_model_dir):
+    with make_engine(tiny_models["llama"], context_length=48, json_model_override_args='{"rms_norm_eps": 0.5}') as engine:
+        assert engine.runner.context_len == 48 and engine.runner.config.rms_norm_eps == 0.5
+        result = engine.generate(input_ids=list(range(3, 40)), sampling_params={"max_new_tokens": 30, "ignore_eos": True})
+        assert result["meta_info"]["finish_reason"]["type"] == "length" and len(result["output_ids"]) == 48 - 37
+        with pytest.raises(ValueError, match="does not fit the context of 48"):
+            engine.generate(input_ids=list(range(3, 60)), sampling_params=GREEDY)

@@ -40,6 +40,7 @@ class RadixCache:
         self.allocator = allocator
         self.page_size = allocator.page_size
         self.policy = policy
+        self.evicted_tokens = 0
         self.reset()
 
     def reset(self) -> None:
@@ -135,6 +136,7 @@ class RadixCache:
             _, _, leaf = heapq.heappop(heap)
             self.allocator.free_slots(leaf.value)
             freed += leaf.num_tokens
+            self.evicted_tokens += leaf.num_tokens
             self.evictable_tokens -= leaf.num_tokens
             parent = leaf.parent
             del parent.children[self._child_key(leaf.key)]
