@@ -57,7 +57,7 @@ def assert_matches_hf(engine: srv.Engine, model_dir: Path, prompt_ids: list[list
 
 def assert_all_kv_returned(engine: srv.Engine) -> None:
     assert engine.flush_cache()
-    assert engine.call_in_scheduler(engine.scheduler.kv_tokens_in_use) == 0
+    assert engine.status()["kv_tokens_in_use"] == 0
 
 
 def make_engine(model_dir: Path, **flags) -> srv.Engine:

@@ -198,5 +198,5 @@ def test_model_overrides_and_context_length(tiny_models, default_model_dir):
         assert engine.runner.context_len == 48 and engine.runner.config.rms_norm_eps == 0.5
         result = engine.generate(input_ids=list(range(3, 40)), sampling_params={"max_new_tokens": 30, "ignore_eos": True})
         assert result["meta_info"]["finish_reason"]["type"] == "length" and len(result["output_ids"]) == 48 - 37
-        with pytest.raises(ValueError, match="does not fit the context of 48"):
+        with pytest.raises(ValueError, match="more than the context of 48"):
             engine.generate(input_ids=list(range(3, 60)), sampling_params=GREEDY)

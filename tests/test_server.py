@@ -1,18 +1,26 @@
-"""`srv launch` serves the OpenAI API over real HTTP; the official client talks to it."""
+"""`srv launch` over real HTTP: the official `openai` client and raw httpx against a server
+process on a free port, with its scheduler in a process of its own."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
 API_KEY = "test-key"
+MODEL = "SmolLM2-135M-Instruct"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
 def free_port() -> int:
@@ -21,66 +29,364 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def descendants(pid: int) -> set[int]:
+    found, stack = set(), [pid]
+    while stack:
+        parent = stack.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*"):
+            children = (task / "children").read_text().split() if (task / "children").exists() else []
+            for child in map(int, children):
+                found.add(child)
+                stack.append(child)
+    return found
+
+
+def assert_gone(pids: set[int]) -> None:
+    """Every process in `pids` exits within seconds (helpers such as multiprocessing's resource
+    tracker leave once the server has)."""
+    def running(pid: int) -> bool:
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+        except FileNotFoundError:
+            return False
+
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        alive = {pid for pid in pids if running(pid)}
+        if not alive:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"processes left running: {sorted(alive)}")
+
+
+class Server:
+    def __init__(self, *flags: str) -> None:
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        # One torch thread: the test client shares this 2-core machine with the server.
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        self.process = subprocess.Popen([sys.executable, "-m", "srv", "launch", "--port", str(self.port),
+                                         "--dtype", "float32", *flags], env=env,
+                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.output: list[str] = []
+        threading.Thread(target=self._read_output, daemon=True).start()
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError("server exited:\n" + "".join(self.output))
+            try:
+                if httpx.get(f"{self.base}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.3)
+        raise RuntimeError("server did not start:\n" + "".join(self.output))
+
+    def _read_output(self) -> None:
+        for line in self.process.stdout:
+            self.output.append(line)
+
+    def scheduler_status(self) -> dict:
+        return httpx.get(f"{self.base}/get_server_info", headers=AUTH).json()["scheduler"]
+
+    def stop(self) -> int:
+        self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(timeout=60)
+
+
 @pytest.fixture(scope="module")
 def server():
-    port = free_port()
-    # One torch thread: the client shares this 2-core machine with the server.
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    process = subprocess.Popen([sys.executable, "-m", "srv", "launch", "--port", str(port), "--dtype", "float32",
-                                "--api-key", API_KEY], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{base}/health").status_code == 200:
-                break
-        except httpx.TransportError:
-            time.sleep(0.3)
-        if process.poll() is not None:
-            pytest.fail(process.stdout.read().decode())
-    yield base
-    process.terminate()
-    process.wait(timeout=30)
+    server = Server("--api-key", API_KEY)
+    yield server
+    server.stop()
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=f"{server}/v1", api_key=API_KEY)
+    return openai.OpenAI(base_url=f"{server.base}/v1", api_key=API_KEY)
 
 
-def test_chat_completion(client):
-    reply = client.chat.completions.create(model="SmolLM2-135M-Instruct", temperature=0, max_tokens=20,
-                                           messages=[{"role": "user", "content": "What is the capital of France?"}])
+def post(server: Server, path: str, body, **kwargs) -> httpx.Response:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.post(f"{server.base}{path}", content=content, headers=AUTH, timeout=120, **kwargs)
+
+
+# ---- OpenAI routes --------------------------------------------------------------------------------
+
+
+def test_chat_completion_with_every_message_kind(client):
+    reply = client.chat.completions.create(model=MODEL, temperature=0, max_completion_tokens=20, messages=[
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": [{"type": "text", "text": "What is the capital "}, {"type": "text", "text": "of France?"}]},
+    ])
     assert "Paris" in reply.choices[0].message.content
     assert reply.usage.total_tokens == reply.usage.prompt_tokens + reply.usage.completion_tokens
+    follow_up = client.chat.completions.create(model=MODEL, temperature=0, max_tokens=10, messages=[
+        {"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4"},
+        {"role": "tool", "content": "{\"result\": 4}", "tool_call_id": "call_1"},
+        {"role": "user", "content": "And 3+3?"}], user="someone", extra_body={"top_k": 5, "min_p": 0.05,
+                                                                             "repetition_penalty": 1.1})
+    assert follow_up.choices[0].message.content
 
 
-def test_streamed_completion_equals_non_streamed(client):
-    kwargs = dict(model="SmolLM2-135M-Instruct", prompt="Once upon a time", max_tokens=24, temperature=0)
+def test_streamed_text_equals_non_streamed(client):
+    kwargs = dict(model=MODEL, prompt="Once upon a time", max_tokens=24, temperature=0)
     full = client.completions.create(**kwargs).choices[0].text
-    streamed = "".join(chunk.choices[0].text for chunk in client.completions.create(stream=True, **kwargs))
-    assert streamed == full and full
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full and full
+    assert chunks[-1].usage.completion_tokens == 24 and not chunks[-1].choices
+    messages = [{"role": "user", "content": "Tell me a fact about the sea."}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0)
+    streamed = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0, stream=True)
+    parts = list(streamed)
+    assert parts[0].choices[0].delta.role == "assistant"
+    assert "".join(p.choices[0].delta.content or "" for p in parts) == chat.choices[0].message.content
 
 
-def test_models_route(client):
-    assert [m.id for m in client.models.list().data] == ["SmolLM2-135M-Instruct"]
-
-
-def test_errors_are_openai_shaped_and_the_server_keeps_serving(server, client):
-    headers = {"Authorization": f"Bearer {API_KEY}"}
-    bad_json = httpx.post(f"{server}/v1/completions", content=b"{bad", headers=headers)
-    assert bad_json.status_code == 400 and bad_json.json()["error"]["type"] == "invalid_request_error"
+def test_models_routes(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
     with pytest.raises(openai.NotFoundError):
-        client.completions.create(model="no-such-model", prompt="hi")
-    with pytest.raises(openai.BadRequestError):
-        client.completions.create(model="SmolLM2-135M-Instruct", prompt="hi", max_tokens=-1)
-    with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=[])
-    assert client.completions.create(model="SmolLM2-135M-Instruct", prompt="hi", max_tokens=2).choices
+        client.models.retrieve("no-such-model")
+
+
+def test_completion_prompt_shapes_echo_n_and_logprobs(server, client):
+    ids = [16, 28, 216, 34, 28, 216, 35, 28]
+    texts = client.completions.create(model=MODEL, prompt=["1, 2, 3,", "a, b, c,"], max_tokens=6, temperature=0)
+    assert [c.index for c in texts.choices] == [0, 1] and all(c.text for c in texts.choices)
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0)
+    by_id_lists = client.completions.create(model=MODEL, prompt=[ids, ids[:4]], max_tokens=6, temperature=0)
+    assert by_id_lists.choices[0].text == by_ids.choices[0].text
+    assert by_ids.usage.prompt_tokens == len(ids)
+    echo = client.completions.create(model=MODEL, prompt="1, 2, 3,", max_tokens=4, temperature=0, echo=True)
+    assert echo.choices[0].text.startswith("1, 2, 3,")
+    several = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8, n=3, temperature=1.0)
+    assert len(several.choices) == 3 and several.usage.completion_tokens == 24
+    assert several.usage.prompt_tokens == client.completions.create(model=MODEL, prompt="Once upon a time",
+                                                                    max_tokens=1).usage.prompt_tokens
+    with_logprobs = client.completions.create(model=MODEL, prompt="1, 2, 3,", max_tokens=4, temperature=0, logprobs=2)
+    lp = with_logprobs.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    assert "".join(lp.tokens) == with_logprobs.choices[0].text
+    assert all(len(top) <= 2 and max(top.values()) == pytest.approx(value) for top, value in
+               zip(lp.top_logprobs, lp.token_logprobs))
+    stopped = client.completions.create(model=MODEL, prompt="1, 2, 3,", max_tokens=20, temperature=0, stop=[" 6"])
+    assert stopped.choices[0].finish_reason == "stop" and " 6" not in stopped.choices[0].text
+
+
+def test_chat_n_seed_and_logprobs(client):
+    messages = [{"role": "user", "content": "Name a color."}]
+    first = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=1.0, seed=42)
+    again = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=1.0, seed=42)
+    assert first.choices[0].message.content == again.choices[0].message.content
+    several = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, n=2)
+    assert [c.index for c in several.choices] == [0, 1]
+    scored = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0,
+                                            logprobs=True, top_logprobs=3)
+    content = scored.choices[0].logprobs.content
+    assert "".join(t.token for t in content) == scored.choices[0].message.content
+    assert all(len(t.top_logprobs) == 3 and t.top_logprobs[0].logprob == pytest.approx(t.logprob) for t in content)
+
+
+def test_32_concurrent_requests_equal_their_sequential_outputs(client):
+    prompts = [f"Write one sentence about the number {i}." for i in range(32)]
+
+    def complete(prompt: str) -> str:
+        return client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0).choices[0].text
+
+    sequential = [complete(p) for p in prompts]
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        assert list(pool.map(complete, prompts)) == sequential
+
+
+# ---- errors -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path, body, status, param", [
+    ("/v1/completions", b"{bad json", 400, None),
+    ("/v1/completions", b"[1, 2]", 400, None),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": "hot"}, 400, "temperature"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": True}, 400, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": 7}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "suffix": "!"}, 400, "suffix"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "top_p": 0}, 400, None),
+    ("/v1/completions", {"model": "no-such-model", "prompt": "hi"}, 404, "model"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"content": "no role"}]}, 400, "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": "hi"}, 400, "messages"),
+    ("/v1/completions", {"model": MODEL, "prompt": "word " * 9000}, 400, None),
+    ("/generate", {"text": "hi", "sampling_params": {"nonsense": 1}}, 400, None),
+    ("/generate", {"input_ids": [-1, 2]}, 400, None),
+])
+def test_bad_input_gets_an_openai_error_and_the_server_keeps_serving(server, client, path, body, status, param):
+    response = post(server, path, body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["code"] == status and error["message"]
+    assert error["param"] == param
+    assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices
 
 
 def test_api_key_is_required_except_for_health(server):
-    assert httpx.get(f"{server}/health").status_code == 200
-    missing = httpx.get(f"{server}/v1/models")
+    assert httpx.get(f"{server.base}/health").status_code == 200
+    missing = httpx.get(f"{server.base}/v1/models")
     assert missing.status_code == 401 and missing.json()["error"]["type"] == "authentication_error"
-    assert httpx.get(f"{server}/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert httpx.get(f"{server.base}/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+
+
+# ---- native routes -----------------------------------------------------------------------------------
+
+
+def test_native_generate_routes(server):
+    one = post(server, "/generate", {"text": "The capital of France is",
+                                     "sampling_params": {"max_new_tokens": 4, "temperature": 0},
+                                     "return_logprob": True, "top_logprobs_num": 2}).json()
+    assert one["meta_info"]["completion_tokens"] == 4 and len(one["output_ids"]) == 4
+    assert [t for _, t, _ in one["meta_info"]["output_token_logprobs"]] == one["output_ids"]
+    by_ids = post(server, "/generate", {"input_ids": [504, 3575, 282, 4649, 314],
+                                        "sampling_params": {"max_new_tokens": 4, "temperature": 0}}).json()
+    assert by_ids["meta_info"]["prompt_tokens"] == 5
+    batch = post(server, "/generate", {"text": ["a", "b"], "sampling_params": {"max_new_tokens": 2}}).json()
+    assert len(batch) == 2
+    with httpx.stream("POST", f"{server.base}/generate", headers=AUTH, timeout=60,
+                      json={"text": "Hello", "stream": True, "sampling_params": {"max_new_tokens": 5}}) as response:
+        events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+    assert [len(e["output_ids"]) for e in events] == [1, 2, 3, 4, 5]  # cumulative without --stream-output
+
+
+def test_info_health_and_cache_routes(server):
+    assert httpx.get(f"{server.base}/health_generate").status_code == 200
+    info = httpx.get(f"{server.base}/get_model_info", headers=AUTH).json()
+    assert info["is_generation"] and info["architectures"] == ["LlamaForCausalLM"]
+    server_info = httpx.get(f"{server.base}/get_server_info", headers=AUTH).json()
+    assert server_info["port"] == server.port and "api_key" not in server_info
+    assert server_info["scheduler"]["kv_capacity_tokens"] > 0
+    assert post(server, "/flush_cache", {}).status_code == 200
+    assert server.scheduler_status()["kv_tokens_in_use"] == 0
+
+
+def test_abort_request_route(server):
+    results = []
+
+    def stream():
+        with httpx.stream("POST", f"{server.base}/generate", headers=AUTH, timeout=60, json={
+                "text": "Count:", "rid": "abort-me", "stream": True,
+                "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}}) as response:
+            results.extend(json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {"))
+
+    thread = threading.Thread(target=stream)
+    thread.start()
+    time.sleep(1.0)
+    assert post(server, "/abort_request", {"rid": "abort-me"}).status_code == 200
+    thread.join(timeout=30)
+    assert results[-1]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert results[-1]["meta_info"]["completion_tokens"] < 2000
+
+
+def wait_until_idle(server: Server) -> dict:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        status = server.scheduler_status()
+        if status["running_requests"] == 0 and status["waiting_requests"] == 0:
+            return status
+        time.sleep(0.1)
+    raise AssertionError(f"still busy: {status}")
+
+
+def test_a_client_that_disconnects_frees_its_request(server):
+    long = {"model": MODEL, "prompt": "Count to a million:", "max_tokens": 3000, "ignore_eos": True}
+    with httpx.stream("POST", f"{server.base}/v1/completions", headers=AUTH, json={**long, "stream": True}) as response:
+        for i, _ in enumerate(response.iter_lines()):
+            if i > 5:
+                break
+    assert wait_until_idle(server)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.base}/v1/completions", json=long, headers=AUTH, timeout=1.0)
+    started = time.monotonic()
+    wait_until_idle(server)
+    assert time.monotonic() - started < 5
+    assert post(server, "/flush_cache", {}).status_code == 200
+    assert server.scheduler_status()["kv_tokens_in_use"] == 0
+
+
+def test_health_answers_fast_during_a_long_prefill(server):
+    body = {"model": MODEL, "prompt": "The quick brown fox jumps over the lazy dog. " * 700, "max_tokens": 1}
+    worker = threading.Thread(target=post, args=(server, "/v1/completions", body))
+    worker.start()
+    time.sleep(0.3)
+    latencies = []
+    probe = httpx.Client()  # one connection: a new client alone costs ~25 ms of set-up
+    while worker.is_alive():
+        started = time.monotonic()
+        assert probe.get(f"{server.base}/health").status_code == 200
+        latencies.append(time.monotonic() - started)
+        time.sleep(0.05)
+    worker.join()
+    assert len(latencies) >= 5, "the prefill finished too fast to measure"
+    assert max(latencies) < 0.05, latencies
+
+
+# ---- flags and process life ---------------------------------------------------------------------------
+
+
+def test_queue_limit_truncation_stream_output_and_request_logs(tmp_path):
+    server = Server("--max-queued-requests", "1", "--allow-auto-truncate", "--stream-output", "--log-requests",
+                    "--log-requests-level", "0", "--context-length", "64", "--skip-server-warmup")
+    try:
+        long = post(server, "/generate", {"text": "secret words " * 50, "sampling_params": {"max_new_tokens": 2}})
+        assert long.status_code == 200 and long.json()["meta_info"]["prompt_tokens"] == 63
+        with httpx.stream("POST", f"{server.base}/generate", timeout=60, json={
+                "text": "Hello", "stream": True, "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}}) as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        assert [len(e["output_ids"]) for e in events] == [1, 1, 1, 1]  # --stream-output: only the new part
+        statuses = []
+
+        def request() -> None:
+            statuses.append(post(server, "/generate", {"text": "Count:", "sampling_params": {
+                "max_new_tokens": 400, "ignore_eos": True}}))
+
+        threads = [threading.Thread(target=request) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        refused = [r for r in statuses if r.status_code == 503]
+        assert refused and all(r.headers["retry-after"] == "1" for r in refused)
+        assert any(r.status_code == 200 for r in statuses)
+    finally:
+        assert server.stop() == 0
+    logged = "".join(server.output)
+    assert "request /generate" in logged and "secret words" not in logged
+
+
+def test_scheduler_death_fails_requests_and_exits_non_zero(tmp_path):
+    server = Server("--crash-dump-folder", str(tmp_path / "dumps"), "--skip-server-warmup")
+    children = descendants(server.process.pid)
+    scheduler = server.scheduler_status()["pid"]
+    assert scheduler in children
+    outcome = {}
+
+    def request() -> None:
+        outcome["response"] = post(server, "/v1/completions", {"prompt": "Count:", "max_tokens": 3000,
+                                                               "ignore_eos": True})
+
+    thread = threading.Thread(target=request)
+    thread.start()
+    time.sleep(1.0)
+    os.kill(scheduler, signal.SIGKILL)
+    thread.join(timeout=30)
+    response = outcome["response"]
+    assert response.status_code >= 500 and "scheduler process died" in response.json()["error"]["message"]
+    assert server.process.wait(timeout=30) != 0
+    assert_gone(children)
+    [dump] = (tmp_path / "dumps").glob("crash_dump_*.json")
+    assert json.loads(dump.read_text())["requests"][0]["body"]["prompt"] == "Count:"
+
+
+def test_sigterm_shuts_down_cleanly_with_no_orphans():
+    server = Server("--skip-server-warmup")
+    children = descendants(server.process.pid)
+    assert children
+    assert server.stop() == 0
+    assert_gone(children)

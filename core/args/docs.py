@@ -45,6 +45,7 @@ def render_markdown() -> str:
         for spec in (s for s in specs if s.section == section):
             names = ", ".join(f"`{n}`" for n in spec.names)
             status = " *Not supported yet.*" if spec.name in NOT_SUPPORTED_YET else ""
+            status += " *Added by srv.*" if spec.srv else ""
             description = spec.help.replace("|", "\\|") + status
             lines.append(f"| {names} | {_values(spec)} | {_default(spec)} | {description} |")
         lines.append("")

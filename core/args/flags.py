@@ -19,6 +19,7 @@ class FlagSpec:
     type: str, int, float, json (a JSON document) or bool (a switch, set means true).
     family: for a flag that chooses a backend, the plugin family its names come from;
         `auto` adds the name "auto", meaning: let srv pick the best available backend.
+    srv: a flag srv adds to SGLang's set.
     """
 
     names: tuple[str, ...]
@@ -31,6 +32,7 @@ class FlagSpec:
     family: str | None = None
     auto: bool = False
     deprecated: bool = False
+    srv: bool = False
 
     @property
     def name(self) -> str:

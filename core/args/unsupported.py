@@ -8,7 +8,6 @@ tests/test_args.py holds a copy so every change to it is deliberate.
 NOT_SUPPORTED_YET = frozenset({
     # Model and tokenizer
     "--tokenizer-worker-num",
-    "--skip-tokenizer-init",
     "--model-loader-extra-config",
     "--trust-remote-code",
     "--is-embedding",
@@ -27,7 +26,6 @@ NOT_SUPPORTED_YET = frozenset({
     "--kv-cache-dtype",
     "--enable-fp32-lm-head",
     # Memory and scheduling
-    "--max-queued-requests",
     "--hybrid-kvcache-ratio",
     "--swa-full-tokens-ratio",
     "--disable-hybrid-swa-memory",
@@ -38,11 +36,8 @@ NOT_SUPPORTED_YET = frozenset({
     "--tensor-parallel-size",
     "--pipeline-parallel-size",
     "--pp-max-micro-batch-size",
-    "--stream-interval",
-    "--stream-output",
     "--constrained-json-whitespace-pattern",
     "--constrained-json-disable-any-whitespace",
-    "--watchdog-timeout",
     "--dist-timeout",
     "--download-dir",
     "--base-gpu-id",
@@ -50,9 +45,6 @@ NOT_SUPPORTED_YET = frozenset({
     "--sleep-on-idle",
     "--mm-process-config",
     # Logging
-    "--log-requests",
-    "--log-requests-level",
-    "--crash-dump-folder",
     "--crash-on-nan",
     "--show-time-cost",
     "--enable-metrics",
@@ -210,7 +202,6 @@ NOT_SUPPORTED_YET = frozenset({
     "--delete-ckpt-after-loading",
     "--enable-memory-saver",
     "--enable-weights-cpu-backup",
-    "--allow-auto-truncate",
     "--enable-custom-logit-processor",
     "--flashinfer-mla-disable-ragged",
     "--disable-shared-experts-fusion",

@@ -20,5 +20,4 @@ def main(argv: list[str]) -> int:
     args = parse_launch_args(argv, manager, registry)
     from srv.server.launch import serve
 
-    serve(args, manager, registry)
-    return 0
+    return serve(args, manager)

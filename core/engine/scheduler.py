@@ -310,7 +310,7 @@ class Scheduler:
                 req.finish_reason, req.matched_stop = FinishReason.STOP, token
                 return
             if params.stop and self.tokenizer is not None:
-                tail = self.tokenizer.decode(req.output_ids[-(max(map(len, params.stop)) + 8):])
+                tail = self.tokenizer.decode(req.output_ids[-(max(map(len, params.stop)) + 8):], skip_special_tokens=True)
                 for stop in params.stop:
                     if stop in tail:
                         req.finish_reason, req.matched_stop = FinishReason.STOP, stop

@@ -1,25 +1,28 @@
-"""The HTTP application: OpenAI-compatible routes (/v1/...) and SGLang's native ones.
-
-Each handler validates its JSON, turns it into an engine request and shapes the answer;
-errors come back in OpenAI's shape with a 4xx status and never stop the server.
+"""The HTTP application: what every route shares (errors, auth, running a request until it ends
+or its client leaves, server-sent events), and the assembly of OpenAI, native and plugin routes.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
-import time
-import uuid
-from typing import Any, AsyncIterator, Callable
+from argparse import Namespace
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
-from starlette.middleware.base import BaseHTTPMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from srv.engine.engine import Engine
+from srv.engine.frontend import EngineDead, Frontend, QueueFull
+from srv.engine.request_state import RequestState
+from srv.server.request_log import RequestLog
+
+QUEUE_FULL_RETRY_AFTER_S = 1
+DISCONNECT_POLL_S = 0.2
 
 
 class APIError(Exception):
@@ -29,9 +32,37 @@ class APIError(Exception):
         self.status, self.param, self.type = status, param, type_
 
 
-def error_response(exc: APIError) -> JSONResponse:
+class ClientGone(Exception):
+    """The client disconnected before its request finished; the request was aborted."""
+
+
+@dataclass
+class ServerContext:
+    frontend: Frontend
+    args: Namespace
+    model_name: str
+    model_info: dict[str, Any]
+    log: RequestLog
+    alive: Callable[[], bool] = lambda: True
+    version: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.frontend.tokenizer
+
+
+def error_response(exc: Exception) -> JSONResponse:
+    if isinstance(exc, QueueFull):
+        exc, headers = APIError(str(exc), 503, type_="server_overloaded"), {"Retry-After": str(QUEUE_FULL_RETRY_AFTER_S)}
+    elif isinstance(exc, EngineDead):
+        exc, headers = APIError(str(exc), 503, type_="server_error"), {}
+    elif isinstance(exc, ValueError):
+        exc, headers = APIError(str(exc)), {}
+    else:
+        headers = {}
     body = {"error": {"message": str(exc), "type": exc.type, "param": exc.param, "code": exc.status}}
-    return JSONResponse(body, status_code=exc.status)
+    return JSONResponse(body, status_code=exc.status, headers=headers)
 
 
 async def read_json(request: Request) -> dict[str, Any]:
@@ -44,187 +75,95 @@ async def read_json(request: Request) -> dict[str, Any]:
     return body
 
 
+def field_of(body: dict[str, Any], name: str, kinds: type | tuple[type, ...], default: Any = None) -> Any:
+    """body[name] if it has the right JSON type (booleans are not numbers), else a 400."""
+    value = body.get(name, default)
+    if value is None or value is default:
+        return value
+    kinds = kinds if isinstance(kinds, tuple) else (kinds,)
+    if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
+        names = " or ".join(k.__name__.replace("str", "string").replace("dict", "object").replace("list", "array")
+                            for k in kinds)
+        raise APIError(f"{name} must be {names}", param=name)
+    return value
+
+
+async def until_done(request: Request, work: Awaitable[Any]) -> Any:
+    """Await `work`, cancelling it (which aborts its requests) if the client goes away first."""
+    task = asyncio.ensure_future(work)
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+        if done:
+            return task.result()
+        if await request.is_disconnected():
+            task.cancel()
+            raise ClientGone
+
+
 def sse(data: Any) -> str:
     return f"data: {json.dumps(data)}\n\n"
 
 
-class ServerApp:
-    def __init__(self, engine: Engine, plugin_routes: list[tuple[str, Any, list[str]]] = ()) -> None:
-        self.engine = engine
-        self.plugin_routes = [Route(path, endpoint, methods=methods) for path, endpoint, methods in plugin_routes]
-        args = engine.server_args
-        self.model_name = args.served_model_name or args.model_path or "SmolLM2-135M-Instruct"
-        self.api_key = args.api_key
+def event_stream(states: AsyncIterator[RequestState], events: Callable[[RequestState, str], list[Any]],
+                 closing: Callable[[], list[Any]] = list) -> StreamingResponse:
+    """Server-sent events: `events(state, new_text)` for each update, `closing()` at the end,
+    then [DONE]. A client that leaves closes `states`, which aborts the request."""
 
-    def routes(self) -> list[Route]:
-        return [
-            Route("/health", self.health, methods=["GET"]),
-            Route("/v1/models", self.models, methods=["GET"]),
-            Route("/generate", self.generate, methods=["POST"]),
-            Route("/v1/completions", self.completions, methods=["POST"]),
-            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
-            *self.plugin_routes,
-        ]
-
-    def build(self) -> Starlette:
-        async def handle_api_error(request: Request, exc: Exception) -> Response:
-            return error_response(exc)
-
-        return Starlette(routes=self.routes(), middleware=[Middleware(BaseHTTPMiddleware, dispatch=self.authorize)],
-                         exception_handlers={APIError: handle_api_error})
-
-    async def authorize(self, request: Request, call_next: Any) -> Response:
-        if self.api_key and request.url.path != "/health":
-            given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-            if not hmac.compare_digest(given.encode(), self.api_key.encode()):
-                return error_response(APIError("invalid or missing API key", 401, type_="authentication_error"))
-        return await call_next(request)
-
-    # ---- routes -------------------------------------------------------------------------------
-
-    async def health(self, request: Request) -> Response:
-        return Response(status_code=200)
-
-    async def models(self, request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [
-            {"id": self.model_name, "object": "model", "created": int(time.time()), "owned_by": "srv"}]})
-
-    def _check_model(self, body: dict[str, Any]) -> None:
-        if body.get("model") not in (None, self.model_name):
-            raise APIError(f"the model {body['model']!r} does not exist", 404, "model", "not_found_error")
-
-    async def _run(self, prompt: str | None, input_ids: list[int] | None, params: dict[str, Any]) -> dict[str, Any]:
+    async def body() -> AsyncIterator[str]:
+        sent = ""
         try:
-            return await self.engine.async_generate(prompt, params, input_ids)
-        except ValueError as exc:
-            raise APIError(str(exc)) from None
+            async for state in states:
+                if state.error is not None:
+                    yield sse({"error": {"message": state.error, "type": "server_error", "code": 500}})
+                    return
+                new_text, sent = state.text[len(sent):], state.text
+                for event in events(state, new_text):
+                    yield sse(event)
+            for event in closing():
+                yield sse(event)
+            yield "data: [DONE]\n\n"
+        finally:
+            await states.aclose()
 
-    async def _stream(self, prompt: str | None, input_ids: list[int] | None,
-                      params: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        try:
-            stream = await self.engine.async_generate(prompt, params, input_ids, stream=True)
-        except ValueError as exc:
-            raise APIError(str(exc)) from None
-        return stream
-
-    async def generate(self, request: Request) -> Response:
-        body = await read_json(request)
-        params = body.get("sampling_params") or {}
-        if not isinstance(params, dict):
-            raise APIError("sampling_params must be an object", param="sampling_params")
-        text, ids = body.get("text"), body.get("input_ids")
-        if body.get("stream"):
-            stream = await self._stream(text, ids, params)
-
-            async def events():
-                async for result in stream:
-                    yield sse(result)
-                yield "data: [DONE]\n\n"
-
-            return StreamingResponse(events(), media_type="text/event-stream")
-        return JSONResponse(await self._run(text, ids, params))
-
-    async def completions(self, request: Request) -> Response:
-        body = await read_json(request)
-        self._check_model(body)
-        prompt = body.get("prompt")
-        if body.get("suffix"):
-            raise APIError("suffix is not supported", param="suffix")
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
-            text, ids = None, prompt
-        elif isinstance(prompt, str):
-            text, ids = prompt, None
-        else:
-            raise APIError("prompt must be a string or a list of token ids", param="prompt")
-        params = openai_sampling_params(body)
-        created, rid = int(time.time()), f"cmpl-{uuid.uuid4().hex}"
-        if body.get("stream"):
-            def chunk(delta: str, finish: str | None, first: bool) -> dict[str, Any]:
-                return {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
-                        "choices": [{"index": 0, "text": delta, "logprobs": None, "finish_reason": finish}]}
-
-            return event_stream(await self._stream(text, ids, params), chunk)
-        result = await self._run(text, ids, params)
-        meta = result["meta_info"]
-        return JSONResponse({
-            "id": rid, "object": "text_completion", "created": created, "model": self.model_name,
-            "choices": [{"index": 0, "text": result["text"], "logprobs": None,
-                         "finish_reason": meta["finish_reason"]["type"]}],
-            "usage": usage(meta)})
-
-    async def chat_completions(self, request: Request) -> Response:
-        body = await read_json(request)
-        self._check_model(body)
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise APIError("messages must be a non-empty list", param="messages")
-        prompt = self.render_chat(messages)
-        params = openai_sampling_params(body)
-        created, rid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
-        if body.get("stream"):
-            def chunk(delta: str, finish: str | None, first: bool) -> dict[str, Any]:
-                message = {"role": "assistant", "content": delta} if first else {"content": delta}
-                return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
-                        "choices": [{"index": 0, "delta": message, "finish_reason": finish}]}
-
-            return event_stream(await self._stream(prompt, None, params), chunk)
-        result = await self._run(prompt, None, params)
-        meta = result["meta_info"]
-        return JSONResponse({
-            "id": rid, "object": "chat.completion", "created": created, "model": self.model_name,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": result["text"]},
-                         "finish_reason": meta["finish_reason"]["type"]}],
-            "usage": usage(meta)})
-
-    def render_chat(self, messages: list[Any]) -> str:
-        normalized = []
-        for message in messages:
-            if not isinstance(message, dict) or "role" not in message:
-                raise APIError("each message must be an object with a role", param="messages")
-            content = message.get("content")
-            if isinstance(content, list):
-                content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
-            normalized.append({**message, "content": content or ""})
-        return self.engine.tokenizer.apply_chat_template(normalized, tokenize=False, add_generation_prompt=True)
+    return StreamingResponse(body(), media_type="text/event-stream")
 
 
-def event_stream(results: AsyncIterator[dict[str, Any]],
-                 chunk: Callable[[str, str | None, bool], dict[str, Any]]) -> StreamingResponse:
-    """Server-sent events of the text each engine result adds, built by `chunk`, then [DONE]."""
-
-    async def events() -> AsyncIterator[str]:
-        sent, first = "", True
-        async for result in results:
-            delta, sent = result["text"][len(sent):], result["text"]
-            finish = result["meta_info"]["finish_reason"]
-            yield sse(chunk(delta, finish and finish["type"], first))
-            first = False
-        yield "data: [DONE]\n\n"
-
-    return StreamingResponse(events(), media_type="text/event-stream")
+def checked(state: RequestState) -> RequestState:
+    if state.error is not None:
+        raise APIError(state.error, 500, type_="server_error")
+    return state
 
 
-def usage(meta: dict[str, Any]) -> dict[str, int]:
-    return {"prompt_tokens": meta["prompt_tokens"], "completion_tokens": meta["completion_tokens"],
-            "total_tokens": meta["prompt_tokens"] + meta["completion_tokens"]}
+class APIKeyMiddleware:
+    """Bearer-token check on every route but the health checks (plain ASGI: a wrapping
+    middleware would hide client disconnects from the routes)."""
+
+    OPEN_PATHS = ("/health", "/health_generate")
+
+    def __init__(self, app: Any, key: str | None) -> None:
+        self.app, self.key = app, key
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if self.key and scope["type"] == "http" and scope["path"] not in self.OPEN_PATHS:
+            given = dict(scope["headers"]).get(b"authorization", b"").decode(errors="replace")
+            if not hmac.compare_digest(given.removeprefix("Bearer ").strip().encode(), self.key.encode()):
+                response = error_response(APIError("invalid or missing API key", 401, type_="authentication_error"))
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
-def openai_sampling_params(body: dict[str, Any]) -> dict[str, Any]:
-    """OpenAI request fields (and SGLang's extra ones) as srv sampling parameters."""
-    params: dict[str, Any] = {}
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    if max_tokens is not None:
-        if not isinstance(max_tokens, int) or max_tokens < 0:
-            raise APIError("max_tokens must be a non-negative integer", param="max_tokens")
-        params["max_new_tokens"] = max_tokens
-    for ours, theirs in (("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"), ("min_p", "min_p"),
-                         ("repetition_penalty", "repetition_penalty"), ("frequency_penalty", "frequency_penalty"),
-                         ("presence_penalty", "presence_penalty"), ("seed", "seed"), ("logit_bias", "logit_bias"),
-                         ("stop", "stop"), ("min_tokens", "min_new_tokens"), ("ignore_eos", "ignore_eos")):
-        if body.get(ours) is not None:
-            value = body[ours]
-            if ours in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty",
-                        "repetition_penalty") and not isinstance(value, (int, float)):
-                raise APIError(f"{ours} must be a number", param=ours)
-            params["min_new_tokens" if ours == "min_tokens" else theirs] = value
-    return params
+def build_app(context: ServerContext, plugin_routes: list[tuple[str, Any, list[str]]] = ()) -> Starlette:
+    from srv.server.native_routes import native_routes
+    from srv.server.openai_routes import openai_routes
+
+    async def handle_error(request: Request, exc: Exception) -> Response:
+        if isinstance(exc, ClientGone):
+            return Response(status_code=499)
+        return error_response(exc)
+
+    routes = [*openai_routes(context), *native_routes(context),
+              *(Route(path, endpoint, methods=methods) for path, endpoint, methods in plugin_routes)]
+    return Starlette(routes=routes, middleware=[Middleware(APIKeyMiddleware, key=context.args.api_key)],
+                     exception_handlers={APIError: handle_error, ValueError: handle_error, QueueFull: handle_error,
+                                         EngineDead: handle_error, ClientGone: handle_error})

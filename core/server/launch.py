@@ -1,27 +1,74 @@
-"""Start the engine and serve it with uvicorn."""
+"""`srv launch`: start the scheduler process, then serve HTTP with uvicorn until a signal
+(SIGINT/SIGTERM) or the scheduler's death; exit non-zero in the latter case."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import signal
 from argparse import Namespace
+from typing import Any
 
 import uvicorn
 
-from srv.backend_registry import BackendRegistry
+import srv
 from srv.plugin_manager import PluginManager
-from srv.engine.engine import Engine
-from srv.server.app import ServerApp
+from srv.server.app import ServerContext, build_app
+from srv.server.request_log import RequestLog
+from srv.server.scheduler_process import SchedulerProcess
 
 logger = logging.getLogger("srv.server")
 
 
-def serve(args: Namespace, manager: PluginManager, registry: BackendRegistry) -> None:
+def serve(args: Namespace, manager: PluginManager) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine = Engine.from_args(args, registry)
-    app = ServerApp(engine, manager.routes()).build()
-    logger.info("serving %s on http://%s:%d", engine.server_args.served_model_name or "the default model",
-                args.host, args.port)
+    return asyncio.run(_serve(args, manager))
+
+
+async def _serve(args: Namespace, manager: PluginManager) -> int:
+    log = RequestLog(args)
+    server: uvicorn.Server | None = None
+    death: list[str] = []
+
+    def on_death(reason: str) -> None:
+        death.append(reason)
+        log.dump(reason)
+        if server is not None:
+            server.should_exit = True
+
+    def on_signal(signum: int, frame: Any) -> None:
+        # uvicorn handles SIGINT/SIGTERM while it serves, then re-raises them to the handler that
+        # was there before: this one, so the scheduler process is still shut down in order.
+        signals.append(signum)
+        if server is not None:
+            server.should_exit = True
+
+    signals: list[int] = []
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, on_signal)
+    scheduler = SchedulerProcess(args, on_death)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=(args.log_level_http or args.log_level).lower())
+        try:
+            frontend = await scheduler.start()
+        except RuntimeError as exc:
+            logger.error("%s", exc)
+            return 1
+        ready = scheduler.ready
+        model_name = args.served_model_name or args.model_path or "SmolLM2-135M-Instruct"
+        context = ServerContext(frontend, args, model_name, {"model_dir": ready.model_dir, **ready.model_info}, log,
+                                alive=lambda: scheduler.alive, version=srv.__version__)
+        if not args.skip_server_warmup:
+            # One token through the whole path, so the first user request pays no one-time costs.
+            await frontend.generate([None], [[0]], [{"max_new_tokens": 1}])
+        config = uvicorn.Config(build_app(context, manager.routes()), host=args.host, port=args.port,
+                                log_level=(args.log_level_http or args.log_level).lower())
+        server = uvicorn.Server(config)
+        if not signals:
+            logger.info("serving %s on http://%s:%d", model_name, args.host, args.port)
+            await server.serve()
     finally:
-        engine.shutdown()
+        await scheduler.shutdown()
+    if death:
+        logger.error("exiting: %s", death[0])
+        return 1
+    return 0

@@ -1,0 +1,58 @@
+"""The messages between the front end (tokenizer side) and the scheduler loop.
+
+The same dataclasses travel through a queue when the scheduler runs in a thread (`srv.Engine`)
+and pickled over ZMQ when it runs in its own process (`srv launch`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from srv.sdk.sampling import SamplingParams
+
+
+@dataclass
+class GenerateRequest:
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+
+
+@dataclass
+class AbortRequest:
+    rid: str
+
+
+@dataclass
+class ControlRequest:
+    """Ask the scheduler loop something between steps: `method` names a `control_*` method."""
+
+    call_id: int
+    method: str
+
+
+@dataclass
+class RequestOutput:
+    """What one request gained in one step: its new tokens, and how it ended if it did."""
+
+    rid: str
+    new_ids: list[int] = field(default_factory=list)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    finish_reason: str | None = None
+    matched_stop: int | str | None = None
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+
+@dataclass
+class ControlResult:
+    call_id: int
+    value: Any

@@ -1,0 +1,58 @@
+"""The front end's view of one request: tokens and text so far, built from `RequestOutput`s."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from srv.engine.detokenizer import IncrementalDetokenizer
+from srv.engine.io import RequestOutput
+from srv.sdk.sampling import SamplingParams
+
+
+class RequestState:
+    def __init__(self, rid: str, prompt_ids: list[int], params: SamplingParams, tokenizer: Any | None) -> None:
+        self.rid, self.prompt_ids, self.params = rid, prompt_ids, params
+        self.output_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.top_logprobs: list[list[tuple[int, float]]] = []
+        self.finish_reason: str | None = None
+        self.matched_stop: int | str | None = None
+        self.error: str | None = None
+        self.cached_tokens = 0
+        self.text = ""
+        self._detokenizer = (IncrementalDetokenizer(tokenizer, stop=params.stop)
+                             if tokenizer is not None else None)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+    def update(self, out: RequestOutput) -> str:
+        """Apply one step's output; returns the text it added."""
+        self.output_ids += out.new_ids
+        self.logprobs += out.logprobs
+        self.top_logprobs += out.top_logprobs
+        self.cached_tokens = out.cached_tokens
+        self.error = out.error
+        if out.finish_reason is not None:
+            self.finish_reason, self.matched_stop = out.finish_reason, out.matched_stop
+        if self._detokenizer is None:
+            return ""
+        added = self._detokenizer.push(out.new_ids)
+        if self.finished:
+            added += self._detokenizer.finish()
+        self.text += added
+        return added
+
+    def result(self) -> dict[str, Any]:
+        meta: dict[str, Any] = {
+            "id": self.rid,
+            "prompt_tokens": len(self.prompt_ids),
+            "completion_tokens": len(self.output_ids),
+            "cached_tokens": self.cached_tokens,
+            "finish_reason": {"type": self.finish_reason, "matched": self.matched_stop} if self.finish_reason else None,
+        }
+        if self.params.logprobs or self.params.top_logprobs:
+            meta["output_token_logprobs"] = list(zip(self.logprobs, self.output_ids))
+            meta["output_top_logprobs"] = list(self.top_logprobs)
+        return {"text": self.text, "output_ids": list(self.output_ids), "meta_info": meta}

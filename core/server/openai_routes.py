@@ -1,0 +1,245 @@
+"""OpenAI-compatible routes: /v1/models, /v1/completions, /v1/chat/completions."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from srv.engine.request_state import RequestState
+from srv.server.app import APIError, ServerContext, checked, event_stream, field_of, read_json, until_done
+
+# OpenAI request fields (and SGLang's extra ones) and the srv sampling parameter each sets.
+SAMPLING_FIELDS = {
+    "temperature": ("temperature", (int, float)), "top_p": ("top_p", (int, float)), "top_k": ("top_k", int),
+    "min_p": ("min_p", (int, float)), "repetition_penalty": ("repetition_penalty", (int, float)),
+    "frequency_penalty": ("frequency_penalty", (int, float)), "presence_penalty": ("presence_penalty", (int, float)),
+    "seed": ("seed", int), "logit_bias": ("logit_bias", dict), "stop": ("stop", (str, list)),
+    "stop_token_ids": ("stop_token_ids", list), "min_tokens": ("min_new_tokens", int),
+    "ignore_eos": ("ignore_eos", bool), "n": ("n", int),
+}
+
+
+def sampling_params(body: dict[str, Any], logprobs: bool, top_logprobs: int = 0) -> dict[str, Any]:
+    params: dict[str, Any] = {}
+    max_tokens = field_of(body, "max_completion_tokens", int)
+    max_tokens = field_of(body, "max_tokens", int) if max_tokens is None else max_tokens
+    if max_tokens is not None:
+        if max_tokens < 0:
+            raise APIError("max_tokens must be >= 0", param="max_tokens")
+        params["max_new_tokens"] = max_tokens
+    for name, (ours, kinds) in SAMPLING_FIELDS.items():
+        value = field_of(body, name, kinds)
+        if value is not None:
+            params[ours] = value
+    if logprobs:
+        params.update(logprobs=True, top_logprobs=top_logprobs)
+    return params
+
+
+def usage(groups: list[list[RequestState]]) -> dict[str, Any]:
+    """Token counts of the n completions of each prompt; a prompt counts once, as in OpenAI's API."""
+    prompt_tokens = sum(len(group[0].prompt_ids) for group in groups)
+    completion_tokens = sum(len(s.output_ids) for group in groups for s in group)
+    cached_tokens = sum(group[0].cached_tokens for group in groups)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+class OpenAIRoutes:
+    def __init__(self, context: ServerContext) -> None:
+        self.context = context
+        template = context.args.chat_template
+        if template and Path(template).is_file():
+            template = Path(template).read_text(encoding="utf-8")
+        self.chat_template = template or None
+
+    def check_model(self, body: dict[str, Any]) -> None:
+        model = body.get("model")
+        if model is not None and model != self.context.model_name:
+            raise APIError(f"the model {model!r} does not exist", 404, "model", "not_found_error")
+
+    def _tokenizer(self) -> Any:
+        if self.context.tokenizer is None:
+            raise APIError("this server runs with --skip-tokenizer-init: use /generate with input_ids")
+        return self.context.tokenizer
+
+    def token_text(self, token: int) -> str:
+        return self._tokenizer().decode([token])
+
+    # ---- /v1/models ------------------------------------------------------------------------------
+
+    def _model_card(self) -> dict[str, Any]:
+        return {"id": self.context.model_name, "object": "model", "created": 0, "owned_by": "srv",
+                "root": self.context.model_name, "max_model_len": self.context.frontend.context_len}
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: Request) -> Response:
+        if request.path_params["model"] != self.context.model_name:
+            raise APIError(f"the model {request.path_params['model']!r} does not exist", 404, "model", "not_found_error")
+        return JSONResponse(self._model_card())
+
+    # ---- /v1/completions ---------------------------------------------------------------------
+
+    def _completion_prompts(self, body: dict[str, Any]) -> tuple[list[str | None], list[list[int] | None]]:
+        prompt = body.get("prompt")
+        if isinstance(prompt, str):
+            return [prompt], [None]
+        if isinstance(prompt, list) and prompt:
+            if all(isinstance(p, str) for p in prompt):
+                return list(prompt), [None] * len(prompt)
+            if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+                return [None], [prompt]
+            if all(isinstance(p, list) and p and all(isinstance(t, int) for t in p) for p in prompt):
+                return [None] * len(prompt), list(prompt)
+        raise APIError("prompt must be a string, a list of strings, a list of token ids or a list of lists of "
+                       "token ids", param="prompt")
+
+    def _completion_logprobs(self, state: RequestState, offset: int) -> dict[str, Any]:
+        tokens = [self.token_text(t) for t in state.output_ids]
+        offsets, position = [], offset
+        for token in tokens:
+            offsets.append(position)
+            position += len(token)
+        return {"tokens": tokens, "token_logprobs": list(state.logprobs),
+                "top_logprobs": [{self.token_text(t): lp for t, lp in top} for top in state.top_logprobs],
+                "text_offset": offsets}
+
+    async def completions(self, request: Request) -> Response:
+        body = await read_json(request)
+        self.context.log.request("/v1/completions", body)
+        self.check_model(body)
+        if body.get("suffix"):
+            raise APIError("suffix is not supported", param="suffix")
+        logprobs = field_of(body, "logprobs", int) or 0
+        echo = field_of(body, "echo", bool) or False
+        prompts, ids = self._completion_prompts(body)
+        params = sampling_params(body, bool(logprobs), logprobs)
+        created, rid = int(time.time()), f"cmpl-{uuid.uuid4().hex}"
+        frontend = self.context.frontend
+        if field_of(body, "stream", bool):
+            if len(prompts) > 1 or params.get("n", 1) > 1:
+                raise APIError("streaming takes one prompt with n = 1", param="stream")
+            states = await frontend.stream(prompts[0], ids[0], params, interval=self.context.args.stream_interval)
+            include_usage = bool((field_of(body, "stream_options", dict) or {}).get("include_usage"))
+            last: list[RequestState] = []
+
+            def events(state: RequestState, text: str) -> list[Any]:
+                last[:] = [state]
+                return [{"id": rid, "object": "text_completion", "created": created, "model": self.context.model_name,
+                         "choices": [{"index": 0, "text": text, "logprobs": None,
+                                      "finish_reason": state.finish_reason}]}]
+
+            def closing() -> list[Any]:
+                if not include_usage:
+                    return []
+                return [{"id": rid, "object": "text_completion", "created": created,
+                         "model": self.context.model_name, "choices": [], "usage": usage([last])}]
+
+            return event_stream(states, events, closing)
+        groups = await until_done(request, frontend.generate(prompts, ids, [params] * len(prompts)))
+        choices = []
+        for prompt, group in zip(prompts, groups):
+            for state in group:
+                checked(state)
+                prefix = (prompt if prompt is not None else self._tokenizer().decode(state.prompt_ids)) if echo else ""
+                choices.append({"index": len(choices), "text": prefix + state.text, "finish_reason": state.finish_reason,
+                                "logprobs": self._completion_logprobs(state, len(prefix)) if logprobs else None})
+        response = {"id": rid, "object": "text_completion", "created": created, "model": self.context.model_name,
+                    "choices": choices, "usage": usage(groups)}
+        self.context.log.response("/v1/completions", {"id": rid, "text": [c["text"] for c in choices],
+                                                      "usage": response["usage"]})
+        return JSONResponse(response)
+
+    # ---- /v1/chat/completions ------------------------------------------------------------------
+
+    def render_chat(self, body: dict[str, Any]) -> str:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise APIError("messages must be a non-empty list", param="messages")
+        normalized = []
+        for message in messages:
+            if not isinstance(message, dict) or message.get("role") not in ("system", "user", "assistant", "tool",
+                                                                            "developer"):
+                raise APIError("each message must be an object with a role of system, user, assistant or tool",
+                               param="messages")
+            content = message.get("content")
+            if isinstance(content, list):
+                if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+                    raise APIError("content parts must be text parts", param="messages")
+                content = "".join(p.get("text", "") for p in content)
+            elif content is not None and not isinstance(content, str):
+                raise APIError("message content must be a string, an array of text parts or null", param="messages")
+            normalized.append({**message, "content": content or ""})
+        return self._tokenizer().apply_chat_template(normalized, chat_template=self.chat_template, tokenize=False,
+                                                     add_generation_prompt=True)
+
+    def _chat_logprobs(self, state: RequestState) -> dict[str, Any]:
+        def entry(token: int, logprob: float) -> dict[str, Any]:
+            text = self.token_text(token)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        return {"content": [{**entry(t, lp), "top_logprobs": [entry(i, v) for i, v in top]}
+                            for t, lp, top in zip(state.output_ids, state.logprobs,
+                                                  state.top_logprobs or [[]] * len(state.output_ids))]}
+
+    async def chat_completions(self, request: Request) -> Response:
+        body = await read_json(request)
+        self.context.log.request("/v1/chat/completions", body)
+        self.check_model(body)
+        prompt = self.render_chat(body)
+        want_logprobs = field_of(body, "logprobs", bool) or False
+        top = field_of(body, "top_logprobs", int) or 0
+        params = sampling_params(body, want_logprobs, top)
+        created, rid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
+        frontend = self.context.frontend
+        if field_of(body, "stream", bool):
+            if params.get("n", 1) > 1:
+                raise APIError("streaming takes n = 1", param="stream")
+            states = await frontend.stream(prompt, None, params, interval=self.context.args.stream_interval)
+            include_usage = bool((field_of(body, "stream_options", dict) or {}).get("include_usage"))
+            first, last = [True], []
+
+            def events(state: RequestState, text: str) -> list[Any]:
+                last[:] = [state]
+                delta = {"role": "assistant", "content": text} if first[0] else {"content": text}
+                first[0] = False
+                return [{"id": rid, "object": "chat.completion.chunk", "created": created,
+                         "model": self.context.model_name,
+                         "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                                      "finish_reason": state.finish_reason}]}]
+
+            def closing() -> list[Any]:
+                if not include_usage:
+                    return []
+                return [{"id": rid, "object": "chat.completion.chunk", "created": created,
+                         "model": self.context.model_name, "choices": [], "usage": usage([last])}]
+
+            return event_stream(states, events, closing)
+        [group] = await until_done(request, frontend.generate([prompt], [None], [params]))
+        choices = [{"index": i, "message": {"role": "assistant", "content": checked(state).text},
+                    "logprobs": self._chat_logprobs(state) if want_logprobs else None,
+                    "finish_reason": state.finish_reason} for i, state in enumerate(group)]
+        response = {"id": rid, "object": "chat.completion", "created": created, "model": self.context.model_name,
+                    "choices": choices, "usage": usage([group])}
+        self.context.log.response("/v1/chat/completions", {"id": rid, "text": [c["message"]["content"] for c in choices],
+                                                           "usage": response["usage"]})
+        return JSONResponse(response)
+
+
+def openai_routes(context: ServerContext) -> list[Route]:
+    routes = OpenAIRoutes(context)
+    return [
+        Route("/v1/models", routes.models, methods=["GET"]),
+        Route("/v1/models/{model:path}", routes.model, methods=["GET"]),
+        Route("/v1/completions", routes.completions, methods=["POST"]),
+        Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),
+    ]
