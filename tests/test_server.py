@@ -390,3 +390,45 @@ def test_sigterm_shuts_down_cleanly_with_no_orphans():
     assert children
     assert server.stop() == 0
     assert_gone(children)
+
+
+HANGING_ATTENTION = """
+import time
+
+from srv.sdk import hookimpl
+from srv.sdk.attention import AttentionBackend
+
+
+class HangingAttention(AttentionBackend):
+    def attend(self, q, layer_id, batch):
+        time.sleep(3600)
+
+
+@hookimpl
+def srv_register_attention_backends(register):
+    register("hang", HangingAttention, description="never returns (watchdog test)")
+"""
+
+
+def test_watchdog_ends_a_forward_pass_that_never_returns(fake_dists, monkeypatch):
+    fake_dists.add("srv-hang", {"hang": "hang_plugin"}, {"hang_plugin": HANGING_ATTENTION})
+    monkeypatch.setenv("PYTHONPATH", fake_dists.env["PYTHONPATH"])
+    server = Server("--attention-backend", "hang", "--watchdog-timeout", "3", "--skip-server-warmup")
+    started = time.monotonic()
+    response = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2})
+    assert response.status_code >= 500 and "exit code 3" in response.json()["error"]["message"]
+    assert server.process.wait(timeout=30) != 0
+    assert time.monotonic() - started < 30
+
+
+def test_skip_tokenizer_init_serves_token_ids():
+    server = Server("--skip-tokenizer-init", "--skip-server-warmup")
+    try:
+        result = post(server, "/generate", {"input_ids": [504, 3575, 282, 4649, 314],
+                                            "sampling_params": {"max_new_tokens": 3, "temperature": 0}}).json()
+        assert len(result["output_ids"]) == 3 and result["text"] == ""
+        assert post(server, "/generate", {"text": "hi"}).status_code == 400
+        chat = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
+        assert chat.status_code == 400 and "--skip-tokenizer-init" in chat.json()["error"]["message"]
+    finally:
+        assert server.stop() == 0
