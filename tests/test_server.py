@@ -89,8 +89,8 @@ class Server:
     def scheduler_status(self) -> dict:
         return httpx.get(f"{self.base}/get_server_info", headers=AUTH).json()["scheduler"]
 
-    def stop(self) -> int:
-        self.process.send_signal(signal.SIGTERM)
+    def stop(self, signum: int = signal.SIGTERM) -> int:
+        self.process.send_signal(signum)
         return self.process.wait(timeout=60)
 
 
@@ -330,16 +330,29 @@ def test_health_answers_fast_during_a_long_prefill(server):
 # ---- flags and process life ---------------------------------------------------------------------------
 
 
-def test_queue_limit_truncation_stream_output_and_request_logs(tmp_path):
+def test_server_flags(tmp_path, default_model_dir):
+    from transformers import AutoTokenizer
+
+    template = tmp_path / "template.jinja"
+    template.write_text("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}[assistant]")
     server = Server("--max-queued-requests", "1", "--allow-auto-truncate", "--stream-output", "--log-requests",
-                    "--log-requests-level", "0", "--context-length", "64", "--skip-server-warmup")
+                    "--log-requests-level", "0", "--context-length", "64", "--skip-server-warmup",
+                    "--served-model-name", "my-model", "--chat-template", str(template), "--stream-interval", "2",
+                    "--tokenizer-path", str(default_model_dir))
     try:
+        client = openai.OpenAI(base_url=f"{server.base}/v1", api_key="unused")
+        assert [m.id for m in client.models.list().data] == ["my-model"]
+        reply = client.chat.completions.create(model="my-model", max_tokens=1,
+                                               messages=[{"role": "user", "content": "Hi there"}])
+        tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+        assert reply.usage.prompt_tokens == len(tokenizer.encode("[user] Hi there\n[assistant]"))
         long = post(server, "/generate", {"text": "secret words " * 50, "sampling_params": {"max_new_tokens": 2}})
         assert long.status_code == 200 and long.json()["meta_info"]["prompt_tokens"] == 63
         with httpx.stream("POST", f"{server.base}/generate", timeout=60, json={
                 "text": "Hello", "stream": True, "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}}) as r:
             events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
-        assert [len(e["output_ids"]) for e in events] == [1, 1, 1, 1]  # --stream-output: only the new part
+        # --stream-interval 2 with --stream-output: two new tokens per event
+        assert [len(e["output_ids"]) for e in events] == [2, 2]
         statuses = []
 
         def request() -> None:
@@ -384,11 +397,12 @@ def test_scheduler_death_fails_requests_and_exits_non_zero(tmp_path):
     assert json.loads(dump.read_text())["requests"][0]["body"]["prompt"] == "Count:"
 
 
-def test_sigterm_shuts_down_cleanly_with_no_orphans():
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_signals_shut_down_cleanly_with_no_orphans(signum):
     server = Server("--skip-server-warmup")
     children = descendants(server.process.pid)
     assert children
-    assert server.stop() == 0
+    assert server.stop(signum) == 0
     assert_gone(children)
 
 
