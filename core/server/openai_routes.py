@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, AsyncIterator, Callable
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -87,6 +87,23 @@ class OpenAIRoutes:
             raise APIError(f"the model {request.path_params['model']!r} does not exist", 404, "model", "not_found_error")
         return JSONResponse(self._model_card())
 
+    def _stream(self, body: dict[str, Any], states: AsyncIterator[RequestState], rid: str, created: int,
+                kind: str, choice: Callable[[RequestState, str, bool], dict[str, Any]]) -> Response:
+        """Chunks of one streamed choice, and a last chunk with usage if stream_options ask."""
+        include_usage = bool((field_of(body, "stream_options", dict) or {}).get("include_usage"))
+        header = {"id": rid, "object": kind, "created": created, "model": self.context.model_name}
+        last: list[RequestState] = []
+
+        def events(state: RequestState, text: str) -> list[Any]:
+            first = not last
+            last[:] = [state]
+            return [{**header, "choices": [choice(state, text, first)]}]
+
+        def closing() -> list[Any]:
+            return [{**header, "choices": [], "usage": usage([last])}] if include_usage else []
+
+        return event_stream(states, events, closing)
+
     # ---- /v1/completions ---------------------------------------------------------------------
 
     def _completion_prompts(self, body: dict[str, Any]) -> tuple[list[str | None], list[list[int] | None]]:
@@ -129,22 +146,8 @@ class OpenAIRoutes:
             if len(prompts) > 1 or params.get("n", 1) > 1:
                 raise APIError("streaming takes one prompt with n = 1", param="stream")
             states = await frontend.stream(prompts[0], ids[0], params, interval=self.context.args.stream_interval)
-            include_usage = bool((field_of(body, "stream_options", dict) or {}).get("include_usage"))
-            last: list[RequestState] = []
-
-            def events(state: RequestState, text: str) -> list[Any]:
-                last[:] = [state]
-                return [{"id": rid, "object": "text_completion", "created": created, "model": self.context.model_name,
-                         "choices": [{"index": 0, "text": text, "logprobs": None,
-                                      "finish_reason": state.finish_reason}]}]
-
-            def closing() -> list[Any]:
-                if not include_usage:
-                    return []
-                return [{"id": rid, "object": "text_completion", "created": created,
-                         "model": self.context.model_name, "choices": [], "usage": usage([last])}]
-
-            return event_stream(states, events, closing)
+            return self._stream(body, states, rid, created, "text_completion", lambda state, text, first: {
+                "index": 0, "text": text, "logprobs": None, "finish_reason": state.finish_reason})
         groups = await until_done(request, frontend.generate(prompts, ids, [params] * len(prompts)))
         choices = []
         for prompt, group in zip(prompts, groups):
@@ -205,25 +208,12 @@ class OpenAIRoutes:
             if params.get("n", 1) > 1:
                 raise APIError("streaming takes n = 1", param="stream")
             states = await frontend.stream(prompt, None, params, interval=self.context.args.stream_interval)
-            include_usage = bool((field_of(body, "stream_options", dict) or {}).get("include_usage"))
-            first, last = [True], []
 
-            def events(state: RequestState, text: str) -> list[Any]:
-                last[:] = [state]
-                delta = {"role": "assistant", "content": text} if first[0] else {"content": text}
-                first[0] = False
-                return [{"id": rid, "object": "chat.completion.chunk", "created": created,
-                         "model": self.context.model_name,
-                         "choices": [{"index": 0, "delta": delta, "logprobs": None,
-                                      "finish_reason": state.finish_reason}]}]
+            def choice(state: RequestState, text: str, first: bool) -> dict[str, Any]:
+                delta = {"role": "assistant", "content": text} if first else {"content": text}
+                return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": state.finish_reason}
 
-            def closing() -> list[Any]:
-                if not include_usage:
-                    return []
-                return [{"id": rid, "object": "chat.completion.chunk", "created": created,
-                         "model": self.context.model_name, "choices": [], "usage": usage([last])}]
-
-            return event_stream(states, events, closing)
+            return self._stream(body, states, rid, created, "chat.completion.chunk", choice)
         [group] = await until_done(request, frontend.generate([prompt], [None], [params]))
         choices = [{"index": i, "message": {"role": "assistant", "content": checked(state).text},
                     "logprobs": self._chat_logprobs(state) if want_logprobs else None,
