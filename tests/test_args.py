@@ -197,11 +197,11 @@ EXPECTED_NOT_SUPPORTED_YET = {
     "--constrained-json-whitespace-pattern", "--constrained-json-disable-any-whitespace",
     "--dist-timeout", "--download-dir", "--base-gpu-id",
     "--gpu-id-step", "--sleep-on-idle", "--mm-process-config", 
-    "--crash-on-nan", "--show-time-cost",
-    "--enable-metrics", "--enable-metrics-for-all-schedulers", "--tokenizer-metrics-custom-labels-header", "--tokenizer-metrics-allowed-custom-labels",
-    "--bucket-time-to-first-token", "--bucket-inter-token-latency", "--bucket-e2e-request-latency", "--collect-tokens-histogram",
-    "--prompt-tokens-buckets", "--generation-tokens-buckets", "--gc-warning-threshold-secs", "--decode-log-interval",
-    "--enable-request-time-stats-logging", "--kv-events-config", "--enable-trace", "--oltp-traces-endpoint",
+    
+    "--enable-metrics-for-all-schedulers", 
+    
+    
+    "--kv-events-config", 
     "--data-parallel-size", "--load-balance-method", "--load-watch-interval", "--prefill-round-robin-balance",
     "--dist-init-addr", "--nnodes", "--node-rank", "--preferred-sampling-params",
     "--enable-lora", "--max-lora-rank", "--lora-target-modules", "--lora-paths",

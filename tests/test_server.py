@@ -446,3 +446,11 @@ def test_skip_tokenizer_init_serves_token_ids():
         assert chat.status_code == 400 and "--skip-tokenizer-init" in chat.json()["error"]["message"]
     finally:
         assert server.stop() == 0
+
+
+def test_the_scheduler_does_not_outlive_a_killed_server():
+    server = Server("--skip-server-warmup")
+    scheduler = server.scheduler_status()["pid"]
+    server.process.kill()
+    server.process.wait()
+    assert_gone({scheduler})

@@ -71,6 +71,8 @@ class Frontend:
         self._call_ids = itertools.count()
         self._not_started: set[str] = set()
         self.dead: str | None = None
+        # Called with (state, output) after every update: the server's metrics, logs and traces.
+        self.observers: list[Callable[[RequestState, RequestOutput], None]] = []
 
     # ---- from the scheduler -------------------------------------------------------------------
 
@@ -125,11 +127,11 @@ class Frontend:
             raise QueueFull(f"{len(self._not_started)} requests are queued (--max-queued-requests {limit})")
 
     def _submit(self, input_ids: list[int], params: SamplingParams, priority: int | None,
-                rid: str | None = None) -> RequestState:
+                rid: str | None = None, labels: dict[str, str] | None = None) -> RequestState:
         self._check_can_submit(priority)
         if rid is not None and rid in self._queues:
             raise ValueError(f"a request with rid {rid!r} is already running")
-        state = RequestState(rid or uuid.uuid4().hex, input_ids, params, self.tokenizer)
+        state = RequestState(rid or uuid.uuid4().hex, input_ids, params, self.tokenizer, labels)
         self._queues[state.rid] = asyncio.Queue()
         self._not_started.add(state.rid)
         self.send(GenerateRequest(state.rid, input_ids, params, priority or 0))
@@ -144,6 +146,8 @@ class Frontend:
             while not state.finished:
                 out = await queue.get()
                 state.update(out)
+                for observer in self.observers:
+                    observer(state, out)
                 pending += len(out.new_ids)
                 if state.finished or pending >= interval:
                     pending = 0
@@ -155,25 +159,26 @@ class Frontend:
                 self.send(AbortRequest(state.rid))
 
     async def stream(self, prompt: str | None, input_ids: list[int] | None, raw_params: dict | None,
-                     priority: int | None = None, interval: int = 1,
-                     rid: str | None = None) -> AsyncIterator[RequestState]:
+                     priority: int | None = None, interval: int = 1, rid: str | None = None,
+                     labels: dict[str, str] | None = None) -> AsyncIterator[RequestState]:
         """One request (n = 1), its state after each update. Checks run before the first yield."""
         params = make_sampling_params(raw_params)
         if params.n != 1:
             raise ValueError("streaming takes n = 1")
-        state = self._submit(self.tokenize(prompt, input_ids), params, priority, rid)
+        state = self._submit(self.tokenize(prompt, input_ids), params, priority, rid, labels)
         return self._follow(state, interval)
 
     async def generate(self, prompts: list[str | None], input_ids: list[list[int] | None],
-                       raw_params: list[dict | None], priority: int | None = None) -> list[list[RequestState]]:
+                       raw_params: list[dict | None], priority: int | None = None,
+                       labels: dict[str, str] | None = None) -> list[list[RequestState]]:
         """Every prompt, n copies each, run to the end. The prompt of an n > 1 request is
         prefilled once first, so its copies find it in the prefix cache."""
         prepared = [(self.tokenize(p, i), make_sampling_params(r)) for p, i, r in zip(prompts, input_ids, raw_params)]
-        warmups = [self._submit(ids, replace(params, max_new_tokens=0, n=1), priority)
+        warmups = [self._submit(ids, replace(params, max_new_tokens=0, n=1), priority, labels=labels)
                    for ids, params in prepared if params.n > 1]
         for warmup in warmups:
             await self._finish(warmup)
-        groups = [[self._submit(ids, replace(params, n=1), priority) for _ in range(params.n)]
+        groups = [[self._submit(ids, replace(params, n=1), priority, labels=labels) for _ in range(params.n)]
                   for ids, params in prepared]
         return [list(await asyncio.gather(*(self._finish(s) for s in group))) for group in groups]
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from srv.engine.detokenizer import IncrementalDetokenizer
@@ -10,8 +11,14 @@ from srv.sdk.sampling import SamplingParams
 
 
 class RequestState:
-    def __init__(self, rid: str, prompt_ids: list[int], params: SamplingParams, tokenizer: Any | None) -> None:
+    def __init__(self, rid: str, prompt_ids: list[int], params: SamplingParams, tokenizer: Any | None,
+                 labels: dict[str, str] | None = None) -> None:
         self.rid, self.prompt_ids, self.params = rid, prompt_ids, params
+        self.labels = labels or {}
+        self.created_at = time.perf_counter()
+        self.first_token_at: float | None = None
+        self.previous_token_at: float | None = None
+        self.last_token_at: float | None = None
         self.output_ids: list[int] = []
         self.logprobs: list[float] = []
         self.top_logprobs: list[list[tuple[int, float]]] = []
@@ -29,6 +36,11 @@ class RequestState:
 
     def update(self, out: RequestOutput) -> str:
         """Apply one step's output; returns the text it added."""
+        if out.new_ids:
+            now = time.perf_counter()
+            self.previous_token_at = self.last_token_at
+            self.first_token_at = self.first_token_at or now
+            self.last_token_at = now
         self.output_ids += out.new_ids
         self.logprobs += out.logprobs
         self.top_logprobs += out.top_logprobs

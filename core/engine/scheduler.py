@@ -9,6 +9,7 @@ only in the step whose input reaches the end of everything it knows.
 from __future__ import annotations
 
 import logging
+import time
 from argparse import Namespace
 from dataclasses import dataclass
 
@@ -38,6 +39,7 @@ class SchedulerStats:
     generated_tokens: int = 0
     retractions: int = 0
     forward_steps: int = 0
+    decode_steps: int = 0
 
 
 class Scheduler:
@@ -63,6 +65,8 @@ class Scheduler:
         self.min_new_token_ratio = min(self.init_new_token_ratio, MIN_NEW_TOKEN_RATIO * args.schedule_conservativeness)
         self.new_token_ratio = self.init_new_token_ratio
         self.eos_ids = self._eos_ids(runner)
+        # SGLang types --crash-on-nan as a string; "true"/"1"/"yes" switch it on.
+        self.crash_on_nan = str(args.crash_on_nan).lower() in ("true", "1", "yes")
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.stats = SchedulerStats()
@@ -244,6 +248,7 @@ class Scheduler:
 
     def step(self) -> list[Req]:
         """Run one forward pass; returns the requests that got a token (finished ones included)."""
+        started = time.perf_counter()
         batch = self._schedule_prefill() if self.waiting or any(r.kv_len + 1 < r.seq_len for r in self.running) else []
         if batch and self.args.enable_mixed_chunk:
             scheduled = {id(r) for r, _ in batch}
@@ -252,8 +257,19 @@ class Scheduler:
             batch = self._schedule_decode()
         if not batch:
             return []
+        scheduled_at = time.perf_counter()
         logits = self._forward(batch)
-        return self._process(batch, logits)
+        if self.crash_on_nan and torch.isnan(logits).any():
+            raise FloatingPointError(f"NaN in the logits of requests {[r.rid for r, _ in batch]} (--crash-on-nan)")
+        forwarded_at = time.perf_counter()
+        reqs = self._process(batch, logits)
+        if all(extend == 1 for _, extend in batch):
+            self.stats.decode_steps += 1
+        if self.args.show_time_cost:
+            logger.info("step: %d requests, %d tokens; schedule %.1f ms, forward %.1f ms, sample %.1f ms",
+                        len(batch), sum(e for _, e in batch), (scheduled_at - started) * 1e3,
+                        (forwarded_at - scheduled_at) * 1e3, (time.perf_counter() - forwarded_at) * 1e3)
+        return reqs
 
     def _forward(self, batch: list[tuple[Req, int]]) -> torch.Tensor:
         ids, positions, locs = [], [], []

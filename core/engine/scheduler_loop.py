@@ -5,7 +5,10 @@ Transport-free: `srv.Engine` drives it from a thread, the server's scheduler pro
 
 from __future__ import annotations
 
+import collections
+import logging
 import os
+import time
 from typing import Any
 
 from srv.engine.io import AbortRequest, ControlRequest, ControlResult, GenerateRequest, RequestOutput
@@ -14,11 +17,16 @@ from srv.engine.scheduler import Scheduler
 
 Message = GenerateRequest | AbortRequest | ControlRequest
 
+logger = logging.getLogger("srv.scheduler")
+THROUGHPUT_WINDOW_S = 5.0
+
 
 class SchedulerLoop:
     def __init__(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
         self._sent: dict[str, int] = {}   # output tokens already reported, per request
+        self._generated: collections.deque[tuple[float, int]] = collections.deque()
+        self._logged_decode_steps = 0
 
     @property
     def has_work(self) -> bool:
@@ -42,7 +50,28 @@ class SchedulerLoop:
         return [ControlResult(message.call_id, method())]
 
     def step(self) -> list[RequestOutput]:
-        return [self._output(req) for req in self.scheduler.step()]
+        outputs = [self._output(req) for req in self.scheduler.step()]
+        now, stats = time.monotonic(), self.scheduler.stats
+        self._generated.append((now, stats.generated_tokens))
+        while now - self._generated[0][0] > THROUGHPUT_WINDOW_S:
+            self._generated.popleft()
+        interval = self.scheduler.args.decode_log_interval
+        if interval > 0 and stats.decode_steps - self._logged_decode_steps >= interval:
+            self._logged_decode_steps = stats.decode_steps
+            status = self.control_status()
+            logger.info("decode: %d running, %d queued, %.1f tok/s, KV %d/%d tokens (%.0f%%), cache hit rate %.0f%%",
+                        status["running_requests"], status["waiting_requests"], status["gen_throughput"],
+                        status["kv_tokens_in_use"], status["kv_capacity_tokens"],
+                        100 * status["kv_tokens_in_use"] / max(status["kv_capacity_tokens"], 1),
+                        100 * stats.cached_prompt_tokens / max(stats.prompt_tokens, 1))
+        return outputs
+
+    def throughput(self) -> float:
+        """Generated tokens per second over the last few seconds."""
+        if len(self._generated) < 2:
+            return 0.0
+        (t0, n0), (t1, n1) = self._generated[0], self._generated[-1]
+        return (n1 - n0) / (t1 - t0) if t1 > t0 else 0.0
 
     def _output(self, req: Req) -> RequestOutput:
         sent = self._sent.get(req.rid, 0)
@@ -70,5 +99,6 @@ class SchedulerLoop:
             "kv_tokens_in_use": scheduler.kv_tokens_in_use(),
             "kv_capacity_tokens": scheduler.allocator.capacity_tokens,
             "prefix_cached_tokens": scheduler.tree.cached_tokens if scheduler.tree is not None else 0,
+            "gen_throughput": self.throughput(),
             **vars(scheduler.stats),
         }

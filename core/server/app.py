@@ -8,7 +8,7 @@ import asyncio
 import hmac
 import json
 from argparse import Namespace
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from starlette.applications import Starlette
@@ -19,6 +19,7 @@ from starlette.routing import Route
 
 from srv.engine.frontend import EngineDead, Frontend, QueueFull
 from srv.engine.request_state import RequestState
+from srv.server.metrics import ServerMetrics
 from srv.server.request_log import RequestLog
 
 QUEUE_FULL_RETRY_AFTER_S = 1
@@ -45,11 +46,15 @@ class ServerContext:
     log: RequestLog
     alive: Callable[[], bool] = lambda: True
     version: str = ""
-    extra: dict[str, Any] = field(default_factory=dict)
+    metrics: ServerMetrics | None = None
 
     @property
     def tokenizer(self) -> Any:
         return self.frontend.tokenizer
+
+    def labels(self, request: Request) -> dict[str, str] | None:
+        """Custom metric labels the request carries in its header (only the allowed ones)."""
+        return self.metrics.labels_from_headers(request.headers) if self.metrics is not None else None
 
 
 def error_response(exc: Exception) -> JSONResponse:

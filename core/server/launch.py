@@ -14,6 +14,9 @@ import uvicorn
 import srv
 from srv.plugin_manager import PluginManager
 from srv.server.app import ServerContext, build_app
+from srv.engine.diagnostics import install_gc_warning
+from srv.server.metrics import ServerMetrics
+from srv.server.tracing import RequestTracer
 from srv.server.request_log import RequestLog
 from srv.server.scheduler_process import SchedulerProcess
 
@@ -27,6 +30,14 @@ def serve(args: Namespace, manager: PluginManager) -> int:
 
 async def _serve(args: Namespace, manager: PluginManager) -> int:
     log = RequestLog(args)
+    model_name = args.served_model_name or args.model_path or "SmolLM2-135M-Instruct"
+    try:
+        metrics = ServerMetrics(args, model_name) if args.enable_metrics else None
+        tracer = RequestTracer(args) if args.enable_trace else None
+    except (ValueError, RuntimeError) as exc:
+        logger.error("%s", exc)
+        return 2
+    install_gc_warning(args.gc_warning_threshold_secs)
     server: uvicorn.Server | None = None
     death: list[str] = []
 
@@ -54,12 +65,12 @@ async def _serve(args: Namespace, manager: PluginManager) -> int:
             logger.error("%s", exc)
             return 1
         ready = scheduler.ready
-        model_name = args.served_model_name or args.model_path or "SmolLM2-135M-Instruct"
         context = ServerContext(frontend, args, model_name, {"model_dir": ready.model_dir, **ready.model_info}, log,
-                                alive=lambda: scheduler.alive, version=srv.__version__)
+                                alive=lambda: scheduler.alive, version=srv.__version__, metrics=metrics)
         if not args.skip_server_warmup:
             # One token through the whole path, so the first user request pays no one-time costs.
             await frontend.generate([None], [[0]], [{"max_new_tokens": 1}])
+        frontend.observers += [o.observe for o in (metrics, tracer, log) if o is not None]
         config = uvicorn.Config(build_app(context, manager.routes()), host=args.host, port=args.port,
                                 log_level=(args.log_level_http or args.log_level).lower())
         server = uvicorn.Server(config)
@@ -68,6 +79,8 @@ async def _serve(args: Namespace, manager: PluginManager) -> int:
             await server.serve()
     finally:
         await scheduler.shutdown()
+        if tracer is not None:
+            tracer.shutdown()
     if death:
         logger.error("exiting: %s", death[0])
         return 1

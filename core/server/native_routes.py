@@ -63,7 +63,7 @@ class NativeRoutes:
                 raise APIError("text must be a string or a list of strings", param="text")
             params = self._params(body, body.get("sampling_params"))
             states = await frontend.stream(text, ids, params, priority, interval=self.context.args.stream_interval,
-                                           rid=field_of(body, "rid", str))
+                                           rid=field_of(body, "rid", str), labels=self.context.labels(request))
             if field_of(body, "stream", bool):
                 return self._stream(states, body)
 
@@ -82,7 +82,7 @@ class NativeRoutes:
         params = [self._params(body, r) for r in raw_list]
         groups = await until_done(request, frontend.generate(
             text if isinstance(text, list) else [None] * count, ids if isinstance(ids, list) else [None] * count,
-            params, priority))
+            params, priority, self.context.labels(request)))
         results = [self._result(state, body) for group in groups for state in group]
         self.context.log.response("/generate", {"results": results})
         return JSONResponse(results)
@@ -116,6 +116,10 @@ class NativeRoutes:
             return PlainTextResponse("Cache flushed.\n")
         raise APIError("cannot flush the cache while requests are running")
 
+    async def metrics(self, request: Request) -> Response:
+        body, content_type = self.context.metrics.exposition(await self.context.frontend.control("status"))
+        return Response(body, media_type=content_type)
+
     async def abort_request(self, request: Request) -> Response:
         body = await read_json(request)
         rid = field_of(body, "rid", str)
@@ -127,7 +131,8 @@ class NativeRoutes:
 
 def native_routes(context: ServerContext) -> list[Route]:
     routes = NativeRoutes(context)
-    return [
+    metrics = [Route("/metrics", routes.metrics, methods=["GET"])] if context.metrics is not None else []
+    return [*metrics,
         Route("/health", routes.health, methods=["GET"]),
         Route("/health_generate", routes.health_generate, methods=["GET"]),
         Route("/generate", routes.generate, methods=["POST"]),

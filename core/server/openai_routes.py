@@ -145,10 +145,12 @@ class OpenAIRoutes:
         if field_of(body, "stream", bool):
             if len(prompts) > 1 or params.get("n", 1) > 1:
                 raise APIError("streaming takes one prompt with n = 1", param="stream")
-            states = await frontend.stream(prompts[0], ids[0], params, interval=self.context.args.stream_interval)
+            states = await frontend.stream(prompts[0], ids[0], params, interval=self.context.args.stream_interval,
+                                           labels=self.context.labels(request))
             return self._stream(body, states, rid, created, "text_completion", lambda state, text, first: {
                 "index": 0, "text": text, "logprobs": None, "finish_reason": state.finish_reason})
-        groups = await until_done(request, frontend.generate(prompts, ids, [params] * len(prompts)))
+        groups = await until_done(request, frontend.generate(prompts, ids, [params] * len(prompts),
+                                                             labels=self.context.labels(request)))
         choices = []
         for prompt, group in zip(prompts, groups):
             for state in group:
@@ -207,14 +209,16 @@ class OpenAIRoutes:
         if field_of(body, "stream", bool):
             if params.get("n", 1) > 1:
                 raise APIError("streaming takes n = 1", param="stream")
-            states = await frontend.stream(prompt, None, params, interval=self.context.args.stream_interval)
+            states = await frontend.stream(prompt, None, params, interval=self.context.args.stream_interval,
+                                           labels=self.context.labels(request))
 
             def choice(state: RequestState, text: str, first: bool) -> dict[str, Any]:
                 delta = {"role": "assistant", "content": text} if first else {"content": text}
                 return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": state.finish_reason}
 
             return self._stream(body, states, rid, created, "chat.completion.chunk", choice)
-        [group] = await until_done(request, frontend.generate([prompt], [None], [params]))
+        [group] = await until_done(request, frontend.generate([prompt], [None], [params],
+                                                              labels=self.context.labels(request)))
         choices = [{"index": i, "message": {"role": "assistant", "content": checked(state).text},
                     "logprobs": self._chat_logprobs(state) if want_logprobs else None,
                     "finish_reason": state.finish_reason} for i, state in enumerate(group)]

@@ -12,6 +12,9 @@ from argparse import Namespace
 from pathlib import Path
 from typing import Any
 
+from srv.engine.io import RequestOutput
+from srv.engine.request_state import RequestState
+
 logger = logging.getLogger("srv.requests")
 
 CRASH_DUMP_WINDOW_S = 300
@@ -22,6 +25,7 @@ TEXT_FIELDS = ("text", "prompt", "messages", "input_ids", "suffix")
 class RequestLog:
     def __init__(self, args: Namespace) -> None:
         self.enabled, self.level = args.log_requests, args.log_requests_level
+        self.time_stats = args.enable_request_time_stats_logging
         self.dump_folder = Path(args.crash_dump_folder) if args.crash_dump_folder else None
         self._recent: collections.deque[tuple[float, str, dict[str, Any]]] = collections.deque()
 
@@ -51,6 +55,17 @@ class RequestLog:
     def response(self, route: str, summary: dict[str, Any]) -> None:
         if self.enabled:
             logger.info("response %s %s", route, json.dumps(self._shown(summary), default=str))
+
+    def observe(self, state: RequestState, out: RequestOutput) -> None:
+        """--enable-request-time-stats-logging: one line of timings per finished request."""
+        if not (self.time_stats and state.finished) or state.params.max_new_tokens == 0:
+            return
+        first, last = state.first_token_at, state.last_token_at
+        tokens = len(state.output_ids)
+        logger.info("request %s finished (%s): prompt %d tokens (%d cached), output %d tokens, ttft %s, e2e %.3f s%s",
+                    state.rid, state.finish_reason or "error", len(state.prompt_ids), state.cached_tokens, tokens,
+                    f"{first - state.created_at:.3f} s" if first else "-", (last or first or state.created_at)
+                    - state.created_at, f", {1e3 * (last - first) / (tokens - 1):.1f} ms/token" if tokens > 1 else "")
 
     def dump(self, reason: str) -> Path | None:
         if self.dump_folder is None:

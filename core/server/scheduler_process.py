@@ -23,6 +23,7 @@ import zmq
 import zmq.asyncio
 
 from srv.engine.tokenizer import load_tokenizer
+from srv.engine.diagnostics import install_gc_warning
 from srv.engine.frontend import Frontend
 
 logger = logging.getLogger("srv.scheduler_process")
@@ -47,6 +48,8 @@ class Shutdown:
 def run_scheduler_process(args: Namespace, requests_addr: str, outputs_addr: str) -> None:
     """Entry point of the child process."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    install_gc_warning(args.gc_warning_threshold_secs)
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), name="srv-parent-watch", daemon=True).start()
     context = zmq.Context()
     outputs = context.socket(zmq.PUSH)
     outputs.connect(outputs_addr)
@@ -87,6 +90,15 @@ def run_scheduler_process(args: Namespace, requests_addr: str, outputs_addr: str
             outs += loop.step()
         if outs:
             outputs.send_pyobj(outs)
+
+
+def _exit_with_parent(parent: int) -> None:
+    """A scheduler whose server was killed (SIGKILL leaves no time to shut it down) must not
+    live on holding its memory: once re-parented, it exits."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    logger.error("the server process %d is gone; exiting", parent)
+    os._exit(4)
 
 
 class Watchdog:

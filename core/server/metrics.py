@@ -1,0 +1,142 @@
+"""Prometheus metrics for `--enable-metrics`, with SGLang's metric names.
+
+Request metrics (tokens, latencies) are observed in the HTTP process as outputs arrive; the
+scheduler's gauges (running and queued requests, KV usage, cache hit rate, throughput) are
+fetched from the scheduler process at each scrape, so one exposition holds both.
+"""
+
+from __future__ import annotations
+
+import json
+from argparse import Namespace
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from srv.engine.io import RequestOutput
+from srv.engine.request_state import RequestState
+
+DEFAULT_TTFT_BUCKETS = [0.05, 0.1, 0.25, 0.5, 0.75, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 120, 160]
+DEFAULT_ITL_BUCKETS = [0.002, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.6, 0.8,
+                       1.0, 2.0, 4.0, 6.0, 8.0]
+DEFAULT_E2E_BUCKETS = [0.1, 0.25, 0.5, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 120, 160, 240, 320, 480, 600, 1200, 1800]
+DEFAULT_TOKEN_BUCKETS = [16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072]
+
+
+def token_buckets(rule: list[str] | None) -> list[float]:
+    """Buckets from a `--prompt-tokens-buckets` / `--generation-tokens-buckets` rule:
+    `default`, `tse MIDDLE BASE COUNT` (MIDDLE +- BASE**i for i in 1..COUNT/2) or `custom V ...`."""
+    if not rule or rule[0] == "default":
+        if rule and len(rule) > 1:
+            raise ValueError("the 'default' bucket rule takes no values")
+        return list(DEFAULT_TOKEN_BUCKETS)
+    kind, values = rule[0], rule[1:]
+    try:
+        numbers = [float(v) for v in values]
+    except ValueError:
+        raise ValueError(f"bucket rule {' '.join(rule)!r}: values must be numbers") from None
+    if kind == "tse":
+        if len(numbers) != 3 or numbers[2] < 2 or numbers[2] % 2:
+            raise ValueError("the 'tse' bucket rule takes MIDDLE BASE COUNT with an even COUNT >= 2")
+        middle, base, count = numbers
+        offsets = [base ** i for i in range(1, int(count) // 2 + 1)]
+        return sorted({middle - o for o in offsets} | {middle} | {middle + o for o in offsets})
+    if kind == "custom":
+        if not numbers:
+            raise ValueError("the 'custom' bucket rule takes at least one value")
+        return sorted(set(numbers))
+    raise ValueError(f"unknown bucket rule {kind!r}: use default, tse or custom")
+
+
+class ServerMetrics:
+    def __init__(self, args: Namespace, model_name: str) -> None:
+        self.model_name = model_name
+        self.header = args.tokenizer_metrics_custom_labels_header.lower()
+        self.custom_labels = list(args.tokenizer_metrics_allowed_custom_labels or [])
+        labels = ["model_name", *self.custom_labels]
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.prompt_tokens = Counter("sglang:prompt_tokens", "Prompt tokens processed", labels, registry=r)
+        self.generation_tokens = Counter("sglang:generation_tokens", "Tokens generated", labels, registry=r)
+        self.cached_tokens = Counter("sglang:cached_tokens", "Prompt tokens served from the prefix cache", labels,
+                                     registry=r)
+        self.requests = Counter("sglang:num_requests", "Requests finished", labels, registry=r)
+        self.aborted = Counter("sglang:num_aborted_requests", "Requests aborted", labels, registry=r)
+        self.ttft = Histogram("sglang:time_to_first_token_seconds", "Time to first token", labels, registry=r,
+                              buckets=args.bucket_time_to_first_token or DEFAULT_TTFT_BUCKETS)
+        self.itl = Histogram("sglang:inter_token_latency_seconds", "Time between output tokens", labels, registry=r,
+                             buckets=args.bucket_inter_token_latency or DEFAULT_ITL_BUCKETS)
+        self.e2e = Histogram("sglang:e2e_request_latency_seconds", "Request latency from arrival to last token",
+                             labels, registry=r, buckets=args.bucket_e2e_request_latency or DEFAULT_E2E_BUCKETS)
+        prompt_buckets, generation_buckets = (token_buckets(args.prompt_tokens_buckets),
+                                              token_buckets(args.generation_tokens_buckets))
+        self.token_histograms = None
+        if args.collect_tokens_histogram:
+            self.token_histograms = (
+                Histogram("sglang:prompt_tokens_histogram", "Prompt tokens per request", labels, registry=r,
+                          buckets=prompt_buckets),
+                Histogram("sglang:generation_tokens_histogram", "Generated tokens per request", labels, registry=r,
+                          buckets=generation_buckets))
+        scheduler_labels = ["model_name"]
+        self.gauges = {
+            "running_requests": Gauge("sglang:num_running_reqs", "Requests running", scheduler_labels, registry=r),
+            "waiting_requests": Gauge("sglang:num_queue_reqs", "Requests waiting", scheduler_labels, registry=r),
+            "kv_tokens_in_use": Gauge("sglang:num_used_tokens", "KV cache tokens in use", scheduler_labels, registry=r),
+            "token_usage": Gauge("sglang:token_usage", "Share of the KV cache in use", scheduler_labels, registry=r),
+            "cache_hit_rate": Gauge("sglang:cache_hit_rate", "Share of prompt tokens found in the prefix cache",
+                                    scheduler_labels, registry=r),
+            "gen_throughput": Gauge("sglang:gen_throughput", "Generated tokens per second, recent",
+                                    scheduler_labels, registry=r),
+        }
+
+    def labels_from_headers(self, headers: Any) -> dict[str, str]:
+        """The allowed custom labels found in the custom-labels header (a JSON object)."""
+        raw = headers.get(self.header)
+        if not raw or not self.custom_labels:
+            return {}
+        try:
+            given = json.loads(raw)
+        except json.JSONDecodeError:
+            return {}
+        if not isinstance(given, dict):
+            return {}
+        return {k: str(v) for k, v in given.items() if k in self.custom_labels}
+
+    def _label_values(self, state: RequestState) -> list[str]:
+        return [self.model_name, *(state.labels.get(name, "") for name in self.custom_labels)]
+
+    def observe(self, state: RequestState, out: RequestOutput) -> None:
+        """Called after each update of a request (as `Frontend.observer`)."""
+        if state.params.max_new_tokens == 0:   # the prompt prefill of an n > 1 request
+            return
+        labels = self._label_values(state)
+        if out.new_ids:
+            if len(state.output_ids) == len(out.new_ids):
+                self.ttft.labels(*labels).observe(state.first_token_at - state.created_at)
+            elif state.previous_token_at is not None:
+                gap = (state.last_token_at - state.previous_token_at) / len(out.new_ids)
+                for _ in out.new_ids:
+                    self.itl.labels(*labels).observe(gap)
+        if not state.finished:
+            return
+        self.requests.labels(*labels).inc()
+        if state.finish_reason == "abort":
+            self.aborted.labels(*labels).inc()
+        self.prompt_tokens.labels(*labels).inc(len(state.prompt_ids))
+        self.generation_tokens.labels(*labels).inc(len(state.output_ids))
+        self.cached_tokens.labels(*labels).inc(state.cached_tokens)
+        self.e2e.labels(*labels).observe((state.last_token_at or state.created_at) - state.created_at)
+        if self.token_histograms is not None:
+            self.token_histograms[0].labels(*labels).observe(len(state.prompt_ids))
+            self.token_histograms[1].labels(*labels).observe(len(state.output_ids))
+
+    def exposition(self, status: dict[str, Any]) -> tuple[bytes, str]:
+        values = {
+            **status,
+            "token_usage": status["kv_tokens_in_use"] / max(status["kv_capacity_tokens"], 1),
+            "cache_hit_rate": status["cached_prompt_tokens"] / max(status["prompt_tokens"], 1),
+        }
+        for key, gauge in self.gauges.items():
+            gauge.labels(self.model_name).set(values[key])
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
