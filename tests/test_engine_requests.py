@@ -200,3 +200,12 @@ def test_model_overrides_and_context_length(tiny_models, default_model_dir):
         assert result["meta_info"]["finish_reason"]["type"] == "length" and len(result["output_ids"]) == 48 - 37
         with pytest.raises(ValueError, match="more than the context of 48"):
             engine.generate(input_ids=list(range(3, 60)), sampling_params=GREEDY)
+
+
+def test_tokenizer_workers_give_the_same_tokens(tiny_models):
+    prompts = ["Hello there, how are you?", "Ünïcödé and emoji 🚀 tokenize the same", "x" * 500]
+    with make_engine(tiny_models["llama"], tokenizer_worker_num=2) as engine:
+        results = engine.generate(prompts, GREEDY)
+        ids = [engine.tokenizer.encode(p) for p in prompts]
+        assert [r["meta_info"]["prompt_tokens"] for r in results] == [len(i) for i in ids]
+        assert_matches_hf(engine, tiny_models["llama"], ids, results)

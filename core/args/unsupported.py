@@ -7,7 +7,6 @@ tests/test_args.py holds a copy so every change to it is deliberate.
 
 NOT_SUPPORTED_YET = frozenset({
     # Model and tokenizer
-    "--tokenizer-worker-num",
     "--model-loader-extra-config",
     "--trust-remote-code",
     "--is-embedding",

@@ -66,7 +66,8 @@ class Engine:
         self._inbox: queue.Queue = queue.Queue()
         self._stopped = threading.Event()
         self._events = asyncio.new_event_loop()
-        self.frontend = Frontend(self._inbox.put, self.tokenizer, args, self.runner.context_len)
+        self.frontend = Frontend(self._inbox.put, self.tokenizer, args, self.runner.context_len,
+                                 str(self.runner.model_dir))
         threading.Thread(target=self._events.run_forever, name="srv-frontend", daemon=True).start()
         self._thread = threading.Thread(target=self._run_scheduler, name="srv-scheduler", daemon=True)
         self._thread.start()
@@ -170,6 +171,7 @@ class Engine:
         return self._run(self.frontend.control("status"))
 
     def shutdown(self) -> None:
+        self.frontend.close()
         self._stopped.set()
         self._thread.join(timeout=5)
         self._events.call_soon_threadsafe(self._events.stop)

@@ -17,6 +17,7 @@ from typing import Any, AsyncIterator, Callable
 
 from srv.engine.io import AbortRequest, ControlRequest, ControlResult, GenerateRequest, RequestOutput
 from srv.engine.request_state import RequestState
+from srv.engine.tokenizer import TokenizerPool
 from srv.sdk.sampling import SamplingParams
 
 SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
@@ -64,8 +65,10 @@ def make_sampling_params(raw: dict[str, Any] | None) -> SamplingParams:
 
 class Frontend:
     def __init__(self, send: Callable[[Any], None], tokenizer: Any | None, server_args: Namespace,
-                 context_len: int) -> None:
+                 context_len: int, model_dir: str) -> None:
         self.send, self.tokenizer, self.args, self.context_len = send, tokenizer, server_args, context_len
+        self._tokenizer_pool = (TokenizerPool(server_args, model_dir, server_args.tokenizer_worker_num)
+                                if tokenizer is not None and server_args.tokenizer_worker_num > 1 else None)
         self._queues: dict[str, asyncio.Queue] = {}
         self._calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
@@ -99,13 +102,16 @@ class Frontend:
 
     # ---- requests -------------------------------------------------------------------------------
 
-    def tokenize(self, prompt: str | None, input_ids: list[int] | None) -> list[int]:
+    async def tokenize(self, prompt: str | None, input_ids: list[int] | None) -> list[int]:
         if input_ids is None:
             if prompt is None:
                 raise ValueError("give a prompt or input_ids")
             if self.tokenizer is None:
                 raise ValueError("the tokenizer is skipped (--skip-tokenizer-init): send input_ids")
-            input_ids = self.tokenizer.encode(prompt)
+            if not isinstance(prompt, str):
+                raise ValueError("the prompt must be a string")
+            input_ids = (await self._tokenizer_pool.encode(prompt) if self._tokenizer_pool is not None
+                         else self.tokenizer.encode(prompt))
         if not isinstance(input_ids, list) or not all(isinstance(t, int) and t >= 0 for t in input_ids):
             raise ValueError("input_ids must be a list of non-negative integers")
         if not input_ids:
@@ -165,7 +171,7 @@ class Frontend:
         params = make_sampling_params(raw_params)
         if params.n != 1:
             raise ValueError("streaming takes n = 1")
-        state = self._submit(self.tokenize(prompt, input_ids), params, priority, rid, labels)
+        state = self._submit(await self.tokenize(prompt, input_ids), params, priority, rid, labels)
         return self._follow(state, interval)
 
     async def generate(self, prompts: list[str | None], input_ids: list[list[int] | None],
@@ -173,7 +179,7 @@ class Frontend:
                        labels: dict[str, str] | None = None) -> list[list[RequestState]]:
         """Every prompt, n copies each, run to the end. The prompt of an n > 1 request is
         prefilled once first, so its copies find it in the prefix cache."""
-        prepared = [(self.tokenize(p, i), make_sampling_params(r)) for p, i, r in zip(prompts, input_ids, raw_params)]
+        prepared = [(await self.tokenize(p, i), make_sampling_params(r)) for p, i, r in zip(prompts, input_ids, raw_params)]
         warmups = [self._submit(ids, replace(params, max_new_tokens=0, n=1), priority, labels=labels)
                    for ids, params in prepared if params.n > 1]
         for warmup in warmups:
@@ -189,6 +195,10 @@ class Frontend:
 
     def abort(self, rid: str) -> None:
         self.send(AbortRequest(rid))
+
+    def close(self) -> None:
+        if self._tokenizer_pool is not None:
+            self._tokenizer_pool.close()
 
     async def control(self, method: str) -> Any:
         if self.dead is not None:

@@ -156,7 +156,8 @@ class SchedulerProcess:
             raise RuntimeError(f"the scheduler could not start: {message.error}")
         self.ready = message
         tokenizer = None if self.args.skip_tokenizer_init else load_tokenizer(self.args, message.model_dir)
-        self.frontend = Frontend(self._requests.send_pyobj, tokenizer, self.args, message.context_len)
+        self.frontend = Frontend(self._requests.send_pyobj, tokenizer, self.args, message.context_len,
+                                 message.model_dir)
         self._tasks = [asyncio.create_task(self._receive()), asyncio.create_task(self._watch())]
         return self.frontend
 
@@ -180,6 +181,8 @@ class SchedulerProcess:
     async def shutdown(self) -> None:
         for task in self._tasks:
             task.cancel()
+        if self.frontend is not None:
+            self.frontend.close()
         if self.process.is_alive():
             self._requests.send_pyobj(Shutdown())
             await asyncio.to_thread(self.process.join, 10)
