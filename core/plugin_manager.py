@@ -17,9 +17,10 @@ from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
 import pluggy
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
 
 from srv.backend_registry import BackendRegistry, PluginFailure
-from srv.sdk import hookspecs
+from srv.sdk import API_VERSION, hookspecs
 from srv.sdk.registration import Registration
 
 ENTRY_POINT_GROUP = "srv"
@@ -77,9 +78,14 @@ class PluginManager:
     def _load(self, ep: EntryPoint, distribution: str, version: str) -> None:
         try:
             module = ep.load()
-            self.register(module, ep.name, distribution, version)
         except Exception as exc:
             self.failures.append(PluginFailure(ep.name, distribution, _describe(exc)))
+            return
+        mismatch = sdk_mismatch(module)
+        if mismatch:
+            self.failures.append(PluginFailure(ep.name, distribution, mismatch))
+            return
+        self.register(module, ep.name, distribution, version)
 
     def plugins(self) -> list[PluginInfo]:
         infos = []
@@ -131,6 +137,20 @@ def _collector(family: str, collected: list[Registration]) -> hookspecs.Register
 
 def _attributed(registration: Registration, plugin: str, distribution: str) -> Registration:
     return replace(registration, plugin=plugin, distribution=distribution)
+
+
+def sdk_mismatch(module: object) -> str | None:
+    """Why a plugin's declared `SRV_SDK_VERSION` range excludes this srv's SDK, if it does."""
+    wanted = getattr(module, "SRV_SDK_VERSION", None)
+    if wanted is None:
+        return None
+    try:
+        specifier = SpecifierSet(wanted)
+    except InvalidSpecifier:
+        return f"SRV_SDK_VERSION {wanted!r} is not a version range such as '>=0.1,<0.2'"
+    if API_VERSION in specifier:
+        return None
+    return f"needs srv SDK {wanted}, but this srv provides SDK {API_VERSION}"
 
 
 def _describe(exc: BaseException) -> str:

@@ -198,3 +198,18 @@ def test_sdk_availability_helpers_say_what_is_missing():
     combined = all_of(requires_cuda, requires_packages("no_such_module_xyz"))()
     assert combined.reason == "needs CUDA; torch sees no GPU; needs the Python package(s) no_such_module_xyz (not installed)"
     assert all_of(requires_packages("json"))().ok
+
+
+def test_a_plugin_for_another_sdk_version_is_refused_with_both_versions(fake_dists: FakeDistributions):
+    from srv.sdk import API_VERSION
+
+    source = GPU_PLUGIN.replace("from srv.sdk import hookimpl, requires_cuda",
+                                "from srv.sdk import hookimpl, requires_cuda\nSRV_SDK_VERSION = '>=9.0'")
+    fake_dists.add("srv-future", {"future": "future_plugin"}, {"future_plugin": source})
+    fake_dists.add("srv-bad-range", {"badrange": "bad_range_plugin"},
+                   {"bad_range_plugin": "SRV_SDK_VERSION = 'whatever'\n"})
+    report = plugins_json(fake_dists.env)
+    failures = {f["distribution"]: f["error"] for f in report["failures"]}
+    assert failures["srv-future"] == f"needs srv SDK >=9.0, but this srv provides SDK {API_VERSION}"
+    assert "not a version range" in failures["srv-bad-range"]
+    assert "gpukernel" not in {b["name"] for b in report["backends"]["attention"]}

@@ -2,6 +2,8 @@
 
 from srv.sdk import hookimpl
 
+SRV_SDK_VERSION = ">=0.1,<0.2"
+
 
 @hookimpl
 def srv_register_eviction_policies(register):

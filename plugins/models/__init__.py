@@ -7,6 +7,8 @@ from typing import Any
 from srv.sdk import hookimpl
 from srv.sdk.models import ModelImpl
 
+SRV_SDK_VERSION = ">=0.1,<0.2"
+
 
 class NativeModels(ModelImpl):
     """srv's own implementations of the Llama family (Llama, SmolLM2, Qwen2, Qwen3)."""

@@ -2,6 +2,8 @@
 
 from srv.sdk import hookimpl
 
+SRV_SDK_VERSION = ">=0.1,<0.2"
+
 POLICIES = "srv.plugins.scheduling.policies"
 
 
