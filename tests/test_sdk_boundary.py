@@ -45,3 +45,11 @@ def test_the_boundary_check_catches_a_core_import(tmp_path: Path):
     bad = tmp_path / "bad.py"
     bad.write_text("from srv.plugin_manager import PluginManager\nimport srv.sdk\n")
     assert [n for n in srv_imports(bad) if not allowed(n, "srv.plugins.cache")] == ["srv.plugin_manager"]
+
+
+def test_plugins_doc_reference_is_generated_and_fresh():
+    from srv.sdk.reference import MARKER, render_reference
+
+    guide, _, generated = (ROOT / "docs" / "plugins.md").read_text(encoding="utf-8").partition(MARKER)
+    assert guide.strip(), "the hand-written guide is missing"
+    assert MARKER + generated == render_reference(), "docs/plugins.md is stale: run `make docs`"

@@ -10,7 +10,8 @@ import srv
 
 COMMANDS = {
     "launch": ("srv.cli.launch", "start the server"),
-    "plugins": ("srv.cli.plugins", "list plugins and the backends they provide"),
+    "plugins": ("srv.cli.plugins", "list plugins and their backends; `srv plugins new` writes a plugin"),
+    "bench": ("srv.cli.bench", "benchmark a server (serve), the engine (offline) or one static batch (one-batch)"),
 }
 
 

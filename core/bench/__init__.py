@@ -1,0 +1,1 @@
+"""`srv bench`: load generation and throughput benchmarks."""

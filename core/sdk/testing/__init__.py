@@ -1,0 +1,53 @@
+"""Conformance kits for plugin authors: srv's checks, run on your backend in your test suite.
+
+Subclass the kit of your backend's family in a test module (a class named Test...), name your
+backend, and pytest runs every check of the kit on it::
+
+    from srv.sdk.testing import SchedulePolicyKit
+
+    class TestShortestJobFirst(SchedulePolicyKit):
+        backend_name = "sjf"         # as registered by your plugin (found like `srv launch` does)
+
+| kit | family | set | compares with |
+| --- | --- | --- | --- |
+| AttentionBackendKit | attention | backend_name or backend_factory | torch_native |
+| SamplerKit | sampling | backend_name or sampler_factory | pytorch |
+| EvictionPolicyKit | eviction_policy | backend_name or policy_factory | (contract only) |
+| SchedulePolicyKit | schedule_policy | backend_name or policy_factory | (contract only) |
+| ModelLoaderKit | load_format | backend_name or loader_factory, make_checkpoint | transformers |
+| ModelImplKit | model_impl | backend_name or impl_factory, make_model_dir | transformers |
+
+Installing srv also installs a pytest plugin (`srv.sdk.testing.pytest_plugin`) with the
+fixtures `srv_tiny_model_dir` and `srv_engine_factory`. This package needs pytest (and torch).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+# The kits' plain `assert`s get pytest's detailed messages (registered before they are imported).
+pytest.register_assert_rewrite(*(f"{__name__}.{m}" for m in ("attention", "cache", "models", "sampling", "scheduling")))
+
+from srv.sdk.testing.attention import AttentionBackendKit  # noqa: E402
+from srv.sdk.testing.cache import EvictionPolicyKit  # noqa: E402
+from srv.sdk.testing.models import ModelImplKit, ModelLoaderKit  # noqa: E402
+from srv.sdk.testing.registry import registered_temporarily  # noqa: E402
+from srv.sdk.testing.sampling import SamplerKit  # noqa: E402
+from srv.sdk.testing.scheduling import SchedulePolicyKit  # noqa: E402
+from srv.sdk.testing.tiny_model import (hf_greedy, random_prompts, save_tiny_tokenizer, tiny_llama,  # noqa: E402
+                                        write_tiny_llama)
+
+__all__ = [
+    "AttentionBackendKit",
+    "EvictionPolicyKit",
+    "ModelImplKit",
+    "ModelLoaderKit",
+    "SamplerKit",
+    "SchedulePolicyKit",
+    "hf_greedy",
+    "random_prompts",
+    "registered_temporarily",
+    "save_tiny_tokenizer",
+    "tiny_llama",
+    "write_tiny_llama",
+]

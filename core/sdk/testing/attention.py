@@ -1,0 +1,186 @@
+"""Conformance kit for attention backends (`--attention-backend`)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import pytest
+import torch
+
+from srv.sdk.attention import AttentionBackend, ForwardBatch, KVCache
+from srv.sdk.testing.registry import create
+
+# Ragged batches, as (prefix_lens, extend_lens): prefill chunks (prefix 0), decode steps
+# (extend 1), prefix-cache hits (prefix > 0, extend > 1), and all of them mixed.
+BATCHES = {
+    "prefill": ([0, 0, 0], [7, 1, 19]),
+    "decode": ([5, 1, 33, 16], [1, 1, 1, 1]),
+    "prefix_hits": ([16, 3, 40], [9, 17, 2]),
+    "mixed": ([0, 12, 7, 0, 30, 1], [13, 1, 5, 1, 1, 16]),
+}
+NUM_LAYERS = 2
+
+
+@dataclass
+class AttentionCase:
+    """One forward pass: the batch, its random cache and each layer's random q, k, v."""
+
+    prefix_lens: list[int]
+    extend_lens: list[int]
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    kv_slots: torch.Tensor
+    out_cache_loc: torch.Tensor
+    positions: torch.Tensor
+    k_buffers: list[torch.Tensor]
+    v_buffers: list[torch.Tensor]
+    qkv: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # per layer
+
+    def __str__(self) -> str:
+        return (f"prefix_lens={self.prefix_lens} extend_lens={self.extend_lens} heads={self.num_heads}/"
+                f"{self.num_kv_heads} head_dim={self.head_dim} dtype={self.dtype}")
+
+    def batch(self, backend: AttentionBackend, dtype: torch.dtype) -> ForwardBatch:
+        """A ForwardBatch over a fresh copy of the cache, stored in `dtype`."""
+        cache = KVCache(1, NUM_LAYERS, self.num_kv_heads, self.head_dim, dtype)
+        cache.k_buffers = [b.to(dtype, copy=True) for b in self.k_buffers]
+        cache.v_buffers = [b.to(dtype, copy=True) for b in self.v_buffers]
+        return ForwardBatch(input_ids=torch.zeros_like(self.positions), positions=self.positions,
+                            out_cache_loc=self.out_cache_loc, kv_slots=self.kv_slots,
+                            prefix_lens=list(self.prefix_lens), extend_lens=list(self.extend_lens),
+                            kv_cache=cache, attention=backend)
+
+
+def make_case(prefix_lens: list[int], extend_lens: list[int], num_heads: int = 8, num_kv_heads: int = 2,
+              head_dim: int = 64, dtype: torch.dtype = torch.float32, page_size: int = 16,
+              seed: int = 0) -> AttentionCase:
+    """A batch over a paged cache whose pages are a random permutation.
+
+    Page 0, holding the padding slot 0, is never used; every slot, used or not, holds random
+    values, so reading a wrong slot or a padded one shows."""
+    g = torch.Generator().manual_seed(seed)
+    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+    pages_needed = sum(math.ceil(n / page_size) for n in seq_lens)
+    num_pages = 2 * pages_needed + 1
+    free_pages = (torch.randperm(num_pages - 1, generator=g) + 1).tolist()
+    kv_slots = torch.zeros(len(seq_lens), max(seq_lens), dtype=torch.int64)
+    for i, n in enumerate(seq_lens):
+        pages = [free_pages.pop() for _ in range(math.ceil(n / page_size))]
+        kv_slots[i, :n] = torch.cat([torch.arange(p * page_size, (p + 1) * page_size) for p in pages])[:n]
+    out_cache_loc = torch.cat([kv_slots[i, p:p + e] for i, (p, e) in enumerate(zip(prefix_lens, extend_lens))])
+    positions = torch.cat([torch.arange(p, p + e) for p, e in zip(prefix_lens, extend_lens)])
+    tokens = int(sum(extend_lens))
+
+    def randn(*shape: int) -> torch.Tensor:  # values exactly representable in `dtype`
+        return torch.randn(*shape, generator=g).to(dtype).float()
+
+    buffer_shape = (num_pages * page_size, num_kv_heads, head_dim)
+    return AttentionCase(
+        list(prefix_lens), list(extend_lens), num_heads, num_kv_heads, head_dim, dtype, kv_slots,
+        out_cache_loc, positions,
+        k_buffers=[randn(*buffer_shape) for _ in range(NUM_LAYERS)],
+        v_buffers=[randn(*buffer_shape) for _ in range(NUM_LAYERS)],
+        qkv=[(randn(tokens, num_heads, head_dim), randn(tokens, num_kv_heads, head_dim),
+              randn(tokens, num_kv_heads, head_dim)) for _ in range(NUM_LAYERS)])
+
+
+def run(backend: AttentionBackend, case: AttentionCase, dtype: torch.dtype) -> tuple[list[torch.Tensor], ForwardBatch]:
+    """As the model runner does: `prepare` once for the batch, then `forward` for every layer."""
+    batch = case.batch(backend, dtype)
+    backend.prepare(batch)
+    outputs = [backend.forward(q.to(dtype), k.to(dtype), v.to(dtype), layer, batch)
+               for layer, (q, k, v) in enumerate(case.qkv)]
+    return outputs, batch
+
+
+class AttentionBackendKit:
+    """Checks an attention backend against srv's reference backend and the AttentionBackend contract.
+
+        class TestMyAttention(AttentionBackendKit):
+            backend_name = "my_attention"        # the name your plugin registers, or:
+            # backend_factory = MyAttention      # (num_heads, num_kv_heads, head_dim, scale) -> backend
+
+    The reference (`reference_name`) runs in float32 on the same (dtype-rounded) inputs;
+    `tolerances` maps a dtype to the (atol, rtol) outputs must meet. A backend that is
+    registered but unavailable on this machine is skipped with its availability reason.
+    """
+
+    backend_name: str | None = None
+    backend_factory: Callable[..., AttentionBackend] | None = None
+    reference_name: str = "torch_native"
+    tolerances: dict[torch.dtype, tuple[float, float]] = {torch.float32: (1e-5, 1e-5),
+                                                          torch.bfloat16: (2e-2, 2e-2)}
+
+    def make_backend(self, num_heads: int, num_kv_heads: int, head_dim: int) -> AttentionBackend:
+        return create(self, "attention", "backend_name", "backend_factory",
+                      num_heads, num_kv_heads, head_dim, head_dim ** -0.5)
+
+    def make_reference(self, num_heads: int, num_kv_heads: int, head_dim: int) -> AttentionBackend:
+        from srv.sdk.testing.registry import registration
+
+        return registration("attention", self.reference_name).create(num_heads, num_kv_heads, head_dim,
+                                                                      head_dim ** -0.5)
+
+    def assert_matches_reference(self, case: AttentionCase, backend: AttentionBackend | None = None) -> None:
+        shape = (case.num_heads, case.num_kv_heads, case.head_dim)
+        backend = backend or self.make_backend(*shape)
+        expected, _ = run(self.make_reference(*shape), case, torch.float32)
+        actual, _ = run(backend, case, case.dtype)
+        atol, rtol = self.tolerances[case.dtype]
+        for layer, (out, ref) in enumerate(zip(actual, expected)):
+            torch.testing.assert_close(out.float(), ref, atol=atol, rtol=rtol,
+                                       msg=lambda m: f"layer {layer} differs from {self.reference_name} ({case}): {m}")
+
+    # ---- the tests -------------------------------------------------------------------------
+
+    @pytest.mark.parametrize("kind", list(BATCHES))
+    def test_ragged_batches_match_reference(self, kind: str) -> None:
+        self.assert_matches_reference(make_case(*BATCHES[kind], seed=len(kind)))
+
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+    @pytest.mark.parametrize("head_dim", [64, 128])
+    @pytest.mark.parametrize("heads", [(4, 4), (8, 2)], ids=["mha", "gqa"])
+    @pytest.mark.parametrize("page_size", [1, 16])
+    def test_layouts_match_reference(self, page_size: int, heads: tuple[int, int], head_dim: int,
+                                     dtype: torch.dtype) -> None:
+        self.assert_matches_reference(make_case(*BATCHES["mixed"], *heads, head_dim=head_dim, dtype=dtype,
+                                                page_size=page_size, seed=page_size + head_dim))
+
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+    def test_output_shape_and_dtype(self, dtype: torch.dtype) -> None:
+        case = make_case(*BATCHES["mixed"], dtype=dtype)
+        outputs, _ = run(self.make_backend(case.num_heads, case.num_kv_heads, case.head_dim), case, dtype)
+        for (q, _, _), out in zip(case.qkv, outputs):
+            assert out.shape == q.shape, f"forward returned {tuple(out.shape)}, expected q's {tuple(q.shape)}"
+            assert out.dtype == dtype, f"forward returned {out.dtype} for {dtype} inputs"
+            assert torch.isfinite(out).all(), "forward returned non-finite values"
+
+    def test_forward_stores_new_kv_at_out_cache_loc(self) -> None:
+        """forward stores this step's k and v at out_cache_loc, and nowhere else.
+
+        That is AttentionBackend.forward's contract; q, k and v must not be modified either."""
+        case = make_case(*BATCHES["mixed"])
+        originals = [tuple(t.clone() for t in qkv) for qkv in case.qkv]
+        _, batch = run(self.make_backend(case.num_heads, case.num_kv_heads, case.head_dim), case, torch.float32)
+        others = torch.ones(case.k_buffers[0].shape[0], dtype=torch.bool)
+        others[case.out_cache_loc] = False
+        for layer, (q, k, v) in enumerate(case.qkv):
+            for name, new, before, after in (("k", k, case.k_buffers[layer], batch.kv_cache.k_buffers[layer]),
+                                             ("v", v, case.v_buffers[layer], batch.kv_cache.v_buffers[layer])):
+                assert torch.equal(after[case.out_cache_loc], new), f"layer {layer}: {name} not stored at out_cache_loc"
+                assert torch.equal(after[others], before[others]), \
+                    f"layer {layer}: {name} written outside out_cache_loc"
+            assert all(torch.equal(a, b) for a, b in zip((q, k, v), originals[layer])), "forward modified q, k or v"
+
+    def test_prepare_once_then_layers_and_batches_reuse_one_backend(self) -> None:
+        """One backend serves every batch: prepare once per batch, then forward per layer.
+
+        Each layer's forward (different k and v per layer) reuses the batch's metadata; a
+        later batch of other shapes must not see the previous batch's metadata."""
+        backend = self.make_backend(8, 2, 64)
+        for seed, kind in enumerate(["mixed", "decode", "prefix_hits", "prefill"]):
+            self.assert_matches_reference(make_case(*BATCHES[kind], seed=seed), backend)

@@ -1,0 +1,238 @@
+"""Conformance kits for weight loaders (`--load-format`) and model implementations (`--model-impl`).
+
+Both run `srv.Engine` on a tiny random model and compare its greedy tokens with Hugging Face
+transformers' on the same weights (eos ignored, so every prompt gives `new_tokens` tokens).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import pytest
+import torch
+
+from srv.sdk.models import ModelImpl, ModelLoader
+from srv.sdk.testing.registry import create, registered_temporarily, registration
+from srv.sdk.testing.tiny_model import hf_greedy, random_prompts, tiny_llama, write_tiny_llama
+
+#: The name a backend given only by its factory is registered under while an engine starts.
+TEMPORARY_NAME = "srv-sdk-testing"
+
+
+@contextlib.contextmanager
+def _engine_backend(kit: Any, family: str, name_attr: str, factory_attr: str) -> Iterator[str]:
+    """The name to pass to srv.Engine: the kit's backend_name, or its factory registered temporarily."""
+    factory = getattr(type(kit), factory_attr, None)
+    if factory is None:
+        name = getattr(type(kit), name_attr, None)
+        if name is None:
+            raise TypeError(f"{type(kit).__name__}: set {name_attr} (a registered name) or {factory_attr}")
+        registration(family, name)  # skips the test if the backend is unavailable here
+        yield name
+    else:
+        with registered_temporarily(family, TEMPORARY_NAME, factory) as name:
+            yield name
+
+
+class _EngineChecks:
+    new_tokens: int = 8
+    prompt_lengths: list[int] = [3, 17, 40, 9, 1]
+
+    def assert_greedy_matches(self, engine: Any, reference: Any, prompts: list[list[int]]) -> list[dict]:
+        greedy = {"max_new_tokens": self.new_tokens, "temperature": 0, "ignore_eos": True}
+        results = engine.generate(input_ids=prompts, sampling_params=greedy)
+        for i, (prompt, result) in enumerate(zip(prompts, results)):
+            expected = hf_greedy(reference, prompt, self.new_tokens)
+            assert result["output_ids"] == expected, (
+                f"prompt {i} (length {len(prompt)}): srv {result['output_ids']} != transformers {expected}")
+        return results
+
+
+class ModelLoaderKit(_EngineChecks):
+    """Checks a weight loader: it recognises its checkpoint, `prepare` gives a Hugging Face style
+    directory, `load` fills every parameter of srv's native model with the checkpoint's
+    weights, and `srv.Engine(load_format=...)` then generates transformers' greedy tokens.
+
+        class TestMyLoader(ModelLoaderKit):
+            backend_name = "my_format"           # the name your plugin registers, or:
+            # loader_factory = MyLoader          # (server_args) -> ModelLoader
+
+            def make_checkpoint(self, tmp_path):
+                # save self.reference_model() (a tiny transformers Llama) in your format, with
+                # its config and a tokenizer (srv.sdk.testing.save_tiny_tokenizer), and return
+                # the path users would pass as --model-path
+                ...
+
+    The default `make_checkpoint` writes safetensors (what the "safetensors" loader reads).
+    auto_detect: whether `accepts` must claim the checkpoint (`--load-format auto`);
+    weight_atol: how far loaded weights may be from the reference's (0 for lossless formats).
+    """
+
+    backend_name: str | None = None
+    loader_factory: Callable[..., ModelLoader] | None = None
+    server_args: Any = None
+    auto_detect: bool = True
+    weight_atol: float = 0.0
+    engine_flags: dict[str, Any] = {"max_total_tokens": 4096}
+
+    def make_loader(self) -> ModelLoader:
+        return create(self, "load_format", "backend_name", "loader_factory", self.server_args)
+
+    def reference_model(self) -> Any:
+        """The transformers model whose weights the checkpoint holds."""
+        return tiny_llama()
+
+    def make_checkpoint(self, tmp_path: Path) -> Path:
+        return write_tiny_llama(tmp_path / "model", model=self.reference_model())
+
+    # Class-scoped fixtures (one checkpoint and one engine per kit subclass) are classmethods.
+    @pytest.fixture(scope="class")
+    @classmethod
+    def srv_kit_checkpoint(cls, tmp_path_factory: pytest.TempPathFactory) -> Path:
+        return Path(cls().make_checkpoint(tmp_path_factory.mktemp("checkpoint")))
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def srv_kit_engine(cls, srv_kit_checkpoint: Path) -> Iterator[Any]:
+        from srv import Engine  # lazily: the public entry point, and all of srv's core behind it
+
+        with _engine_backend(cls(), "load_format", "backend_name", "loader_factory") as name:
+            engine = Engine(model_path=str(srv_kit_checkpoint), load_format=name, dtype="float32",
+                            **cls.engine_flags)
+        try:
+            yield engine
+        finally:
+            engine.shutdown()
+
+    def build_native_model(self, config: Any) -> torch.nn.Module:
+        """srv's native model for `config`, built as srv builds it, every parameter NaN.
+
+        (On the meta device, then given empty storage, as the model runner does.)"""
+        impl = registration("model_impl", "srv").create(self.server_args)
+        assert impl.supports(config), f"srv's native implementation does not support {config.architectures}"
+        with torch.device("meta"):
+            model = impl.build(config)
+        model = model.to_empty(device="cpu")
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.fill_(float("nan"))
+        return model
+
+    # ---- the tests -------------------------------------------------------------------------
+
+    def test_accepts_its_checkpoint(self, srv_kit_checkpoint: Path) -> None:
+        if not self.auto_detect:
+            pytest.skip("auto_detect = False: this loader is only chosen by name")
+        assert self.make_loader().accepts(srv_kit_checkpoint), f"accepts() refused {srv_kit_checkpoint}"
+
+    def test_rejects_an_empty_directory(self, tmp_path: Path) -> None:
+        assert not self.make_loader().accepts(tmp_path), "accepts() claimed an empty directory"
+
+    def test_prepare_returns_a_model_directory(self, srv_kit_checkpoint: Path) -> None:
+        from transformers import AutoConfig
+
+        model_dir = Path(self.make_loader().prepare(srv_kit_checkpoint))
+        assert (model_dir / "config.json").is_file(), f"prepare() gave {model_dir}, which has no config.json"
+        config = AutoConfig.from_pretrained(str(model_dir))
+        assert config.vocab_size == self.reference_model().config.vocab_size, "prepare() gave another model's config"
+
+    def test_load_fills_srv_native_model(self, srv_kit_checkpoint: Path) -> None:
+        from transformers import AutoConfig
+
+        loader = self.make_loader()
+        model_dir = Path(loader.prepare(srv_kit_checkpoint))
+        config = AutoConfig.from_pretrained(str(model_dir))
+        model = self.build_native_model(config)
+        loader.load(model, model_dir)
+        expected = self.build_native_model(config)
+        expected.load_weights(self.reference_model().state_dict().items())
+        actual = dict(model.named_parameters())
+        wrong = [name for name, want in expected.named_parameters()
+                 if not torch.allclose(actual[name].float(), want.float(), atol=self.weight_atol, rtol=0)]
+        assert not wrong, f"load() left these parameters unset or wrong: {wrong}"
+
+    def test_engine_greedy_matches_transformers(self, srv_kit_engine: Any) -> None:
+        reference = self.reference_model()
+        prompts = random_prompts(self.prompt_lengths, reference.config.vocab_size, seed=1)
+        self.assert_greedy_matches(srv_kit_engine, reference, prompts)
+
+
+class ModelImplKit(_EngineChecks):
+    """Checks a model implementation: it supports its model, builds on the meta device, and
+    `srv.Engine(model_impl=...)` generates transformers' greedy tokens, batched, in pages of
+    16 with prefill chunks of 16, and on prefix-cache hits.
+
+        class TestMyModels(ModelImplKit):
+            backend_name = "my_impl"             # the name your plugin registers, or:
+            # impl_factory = MyModels            # (server_args) -> ModelImpl
+
+            def make_model_dir(self, tmp_path):  # default: a tiny random Llama
+                # save a tiny random transformers model of an architecture you support, with a
+                # tokenizer (srv.sdk.testing.save_tiny_tokenizer), and return the directory
+                ...
+    """
+
+    backend_name: str | None = None
+    impl_factory: Callable[..., ModelImpl] | None = None
+    server_args: Any = None
+    engine_flags: dict[str, Any] = {"page_size": 16, "chunked_prefill_size": 16, "max_total_tokens": 4096}
+
+    def make_impl(self) -> ModelImpl:
+        return create(self, "model_impl", "backend_name", "impl_factory", self.server_args)
+
+    def make_model_dir(self, tmp_path: Path) -> Path:
+        return write_tiny_llama(tmp_path / "model")
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def srv_kit_model_dir(cls, tmp_path_factory: pytest.TempPathFactory) -> Path:
+        return Path(cls().make_model_dir(tmp_path_factory.mktemp("model")))
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def srv_kit_reference(cls, srv_kit_model_dir: Path) -> Any:
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(str(srv_kit_model_dir), dtype=torch.float32).eval()
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def srv_kit_engine(cls, srv_kit_model_dir: Path) -> Iterator[Any]:
+        from srv import Engine  # lazily: the public entry point, and all of srv's core behind it
+
+        with _engine_backend(cls(), "model_impl", "backend_name", "impl_factory") as name:
+            engine = Engine(model_path=str(srv_kit_model_dir), model_impl=name, dtype="float32",
+                            **cls.engine_flags)
+        try:
+            yield engine
+        finally:
+            engine.shutdown()
+
+    def config(self, model_dir: Path) -> Any:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(str(model_dir))
+
+    # ---- the tests -------------------------------------------------------------------------
+
+    def test_supports_its_model(self, srv_kit_model_dir: Path) -> None:
+        config = self.config(srv_kit_model_dir)
+        assert self.make_impl().supports(config), f"supports() is False for {config.architectures}"
+
+    def test_builds_on_the_meta_device(self, srv_kit_model_dir: Path) -> None:
+        with torch.device("meta"):
+            model = self.make_impl().build(self.config(srv_kit_model_dir))
+        assert isinstance(model, torch.nn.Module), f"build() returned {type(model).__name__}, not an nn.Module"
+        assert callable(getattr(model, "load_weights", None)), "the model has no load_weights(named_tensors)"
+
+    def test_batched_greedy_matches_transformers(self, srv_kit_engine: Any, srv_kit_reference: Any) -> None:
+        prompts = random_prompts(self.prompt_lengths, srv_kit_reference.config.vocab_size, seed=2)
+        self.assert_greedy_matches(srv_kit_engine, srv_kit_reference, prompts)
+
+    def test_prefix_cache_hits_match_transformers(self, srv_kit_engine: Any, srv_kit_reference: Any) -> None:
+        shared = random_prompts([40], srv_kit_reference.config.vocab_size, seed=3)[0]
+        self.assert_greedy_matches(srv_kit_engine, srv_kit_reference, [shared + [5]])
+        second = self.assert_greedy_matches(srv_kit_engine, srv_kit_reference, [shared + [6, 7, 8], shared[:20]])
+        assert second[0]["meta_info"]["cached_tokens"] > 0, "the second request found no cached prefix"
