@@ -20,4 +20,4 @@ def main(argv: list[str]) -> int:
     args = parse_launch_args(argv, manager, registry)
     from srv.server.launch import serve
 
-    return serve(args, manager)
+    return serve(args, manager, registry)

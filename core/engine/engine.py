@@ -22,6 +22,7 @@ import torch
 from srv.args.parser import build_launch_parser, check_launch_args, options_to_argv
 from srv.backend_registry import BackendRegistry
 from srv.engine.frontend import Frontend
+from srv.engine.grammar import GrammarCompiler
 from srv.engine.model_runner import ModelRunner
 from srv.engine.request_state import RequestState
 from srv.engine.scheduler import Scheduler
@@ -67,7 +68,7 @@ class Engine:
         self._stopped = threading.Event()
         self._events = asyncio.new_event_loop()
         self.frontend = Frontend(self._inbox.put, self.tokenizer, args, self.runner.context_len,
-                                 str(self.runner.model_dir))
+                                 str(self.runner.model_dir), self.scheduler.grammars)
         threading.Thread(target=self._events.run_forever, name="srv-frontend", daemon=True).start()
         self._thread = threading.Thread(target=self._run_scheduler, name="srv-scheduler", daemon=True)
         self._thread.start()
@@ -199,4 +200,7 @@ def build_scheduler(args: Namespace, registry: BackendRegistry) -> tuple[ModelRu
     runner = ModelRunner(args, registry)
     scheduler = Scheduler(args, runner, registry)
     scheduler.tokenizer = None if args.skip_tokenizer_init else load_tokenizer(args, str(runner.model_dir))
+    if scheduler.tokenizer is not None:
+        scheduler.grammars = GrammarCompiler(args, registry, scheduler.tokenizer, runner.config.vocab_size,
+                                             scheduler.eos_ids)
     return runner, scheduler

@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import uuid
 from argparse import Namespace
 from dataclasses import fields, replace
 from typing import Any, AsyncIterator, Callable
 
+from srv.engine.grammar import GrammarCompiler
 from srv.engine.io import AbortRequest, ControlRequest, ControlResult, GenerateRequest, RequestOutput
 from srv.engine.request_state import RequestState
 from srv.engine.tokenizer import TokenizerPool
+from srv.sdk.grammar import GRAMMAR_KINDS
 from srv.sdk.sampling import SamplingParams
 
 SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
@@ -38,6 +41,8 @@ def make_sampling_params(raw: dict[str, Any] | None) -> SamplingParams:
         raise ValueError(f"unknown sampling parameters: {', '.join(sorted(unknown))}")
     if isinstance(raw.get("stop"), str):
         raw["stop"] = [raw["stop"]]
+    if isinstance(raw.get("json_schema"), dict):
+        raw["json_schema"] = json.dumps(raw["json_schema"])
     if raw.get("logit_bias"):
         raw["logit_bias"] = {int(k): float(v) for k, v in raw["logit_bias"].items()}
     try:
@@ -56,6 +61,10 @@ def make_sampling_params(raw: dict[str, Any] | None) -> SamplingParams:
         (isinstance(params.top_logprobs, int) and 0 <= params.top_logprobs <= 20, "top_logprobs must be in [0, 20]"),
         (all(isinstance(s, str) and s for s in params.stop), "stop must be a string or a list of non-empty strings"),
         (all(isinstance(t, int) for t in params.stop_token_ids), "stop_token_ids must be integers"),
+        (all(isinstance(getattr(params, k), (str, type(None))) for k in GRAMMAR_KINDS),
+         "json_schema, regex and ebnf must be strings"),
+        (sum(getattr(params, k) is not None for k in GRAMMAR_KINDS) <= 1,
+         "give at most one of json_schema, regex and ebnf"),
     ]
     for ok, message in checks:
         if not ok:
@@ -65,8 +74,10 @@ def make_sampling_params(raw: dict[str, Any] | None) -> SamplingParams:
 
 class Frontend:
     def __init__(self, send: Callable[[Any], None], tokenizer: Any | None, server_args: Namespace,
-                 context_len: int, model_dir: str) -> None:
+                 context_len: int, model_dir: str, grammars: GrammarCompiler | None = None) -> None:
         self.send, self.tokenizer, self.args, self.context_len = send, tokenizer, server_args, context_len
+        # Compiles each request's grammar before it is queued, so an invalid one is the caller's error.
+        self.grammars = grammars
         self._tokenizer_pool = (TokenizerPool(server_args, model_dir, server_args.tokenizer_worker_num)
                                 if tokenizer is not None and server_args.tokenizer_worker_num > 1 else None)
         self._queues: dict[str, asyncio.Queue] = {}
@@ -123,6 +134,14 @@ class Frontend:
             input_ids = input_ids[-(self.context_len - 1):]
         return input_ids
 
+    async def check_grammar(self, params: SamplingParams) -> None:
+        spec = params.grammar
+        if spec is None:
+            return
+        if self.grammars is None:
+            raise ValueError("constrained decoding needs the tokenizer (--skip-tokenizer-init is set)")
+        await asyncio.to_thread(self.grammars.check, spec)
+
     def _check_can_submit(self, priority: int | None) -> None:
         if self.dead is not None:
             raise EngineDead(self.dead)
@@ -171,6 +190,7 @@ class Frontend:
         params = make_sampling_params(raw_params)
         if params.n != 1:
             raise ValueError("streaming takes n = 1")
+        await self.check_grammar(params)
         state = self._submit(await self.tokenize(prompt, input_ids), params, priority, rid, labels)
         return self._follow(state, interval)
 
@@ -180,6 +200,8 @@ class Frontend:
         """Every prompt, n copies each, run to the end. The prompt of an n > 1 request is
         prefilled once first, so its copies find it in the prefix cache."""
         prepared = [(await self.tokenize(p, i), make_sampling_params(r)) for p, i, r in zip(prompts, input_ids, raw_params)]
+        for _, params in prepared:
+            await self.check_grammar(params)
         warmups = [self._submit(ids, replace(params, max_new_tokens=0, n=1), priority, labels=labels)
                    for ids, params in prepared if params.n > 1]
         for warmup in warmups:

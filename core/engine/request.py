@@ -7,6 +7,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
+from srv.sdk.grammar import GrammarMatcher
 from srv.sdk.sampling import SamplingParams
 
 _arrivals = itertools.count()
@@ -40,6 +41,7 @@ class Req:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     retractions: int = 0
+    grammar: GrammarMatcher | None = None   # the request's constraint (json_schema, regex or ebnf)
 
     @property
     def token_ids(self) -> list[int]:

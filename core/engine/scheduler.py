@@ -16,10 +16,12 @@ from dataclasses import dataclass
 import torch
 
 from srv.backend_registry import BackendRegistry
+from srv.engine.grammar import GrammarCompiler
 from srv.engine.memory import OutOfKVMemory, PagedSlotAllocator, ReqToTokenPool
 from srv.engine.model_runner import ModelRunner
 from srv.engine.radix_cache import RadixCache
 from srv.engine.request import FinishReason, Req
+from srv.sdk.grammar import GrammarError, allocate_bitmask, apply_bitmask
 from srv.sdk.sampling import SamplingBatch
 
 logger = logging.getLogger("srv.scheduler")
@@ -70,6 +72,7 @@ class Scheduler:
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.stats = SchedulerStats()
+        self.grammars: GrammarCompiler | None = None   # set with the tokenizer, by build_scheduler
 
     @staticmethod
     def _eos_ids(runner: ModelRunner) -> list[int]:
@@ -82,6 +85,11 @@ class Scheduler:
         if req.seq_len >= self.runner.context_len:
             raise ValueError(f"prompt of {req.prompt_len} tokens does not fit the context of "
                              f"{self.runner.context_len} tokens")
+        spec = req.params.grammar
+        if spec is not None:
+            if self.grammars is None:
+                raise GrammarError("constrained decoding needs the tokenizer (--skip-tokenizer-init is set)")
+            req.grammar = self.grammars.matcher(spec)
         self.waiting.append(req)
 
     def abort(self, rid: str) -> Req | None:
@@ -302,10 +310,15 @@ class Scheduler:
         reqs = [batch[i][0] for i in ready]
         sampling = SamplingBatch([r.params for r in reqs], [r.token_ids for r in reqs],
                                  [r.prompt_len for r in reqs], self.eos_ids)
-        out = self.runner.sampler.sample(logits[ready], sampling)
+        logits = logits[ready]
+        self._apply_grammars(reqs, logits)
+        out = self.runner.sampler.sample(logits, sampling)
         tokens = out.next_token_ids.tolist()
         for j, req in enumerate(reqs):
             req.output_ids.append(tokens[j])
+            if req.grammar is not None and not req.grammar.accept_token(tokens[j]):
+                logger.error("request %s: the sampler chose token %d, which its grammar forbids", req.rid, tokens[j])
+                req.finish_reason = FinishReason.ABORT
             if out.logprobs is not None:
                 req.logprobs.append(float(out.logprobs[j]))
             if out.top_logprobs is not None and req.params.top_logprobs:
@@ -319,8 +332,26 @@ class Scheduler:
                 self._release(req)
         return prefill_only + reqs
 
+    @staticmethod
+    def _apply_grammars(reqs: list[Req], logits: torch.Tensor) -> None:
+        """Mask the logits of constrained requests down to the tokens their grammar allows."""
+        constrained = [j for j, req in enumerate(reqs) if req.grammar is not None]
+        if not constrained:
+            return
+        bitmask = allocate_bitmask(len(constrained), logits.shape[-1])
+        for row, j in enumerate(constrained):
+            reqs[j].grammar.fill_bitmask(bitmask, row)
+        rows = logits[constrained]
+        apply_bitmask(rows, bitmask)
+        logits[constrained] = rows
+
     def _check_finished(self, req: Req) -> None:
+        if req.finished:
+            return
         token, params = req.output_ids[-1], req.params
+        if req.grammar is not None and req.grammar.is_terminated():
+            req.finish_reason, req.matched_stop = FinishReason.STOP, token
+            return
         if len(req.output_ids) >= params.min_new_tokens:
             if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_ids):
                 req.finish_reason, req.matched_stop = FinishReason.STOP, token

@@ -60,6 +60,8 @@ FAMILIES: tuple[Family, ...] = (
     Family("schedule_policy", "srv_register_schedule_policies", "request scheduling policies",
            ("--schedule-policy",)),
     Family("lora_backend", "srv_register_lora_backends", "multi-LoRA kernels", ("--lora-backend",)),
+    Family("tool_call_parser", "srv_register_tool_call_parsers", "tool-call formats in model output",
+           ("--tool-call-parser",)),
 )
 
 FAMILIES_BY_NAME = {family.name: family for family in FAMILIES}
@@ -117,7 +119,7 @@ def srv_register_moe_a2a_backends(register: Register) -> None:
 def srv_register_grammar_backends(register: Register) -> None:
     """Register constrained-decoding engines (`--grammar-backend`).
 
-    No built-in backend yet: the base class a factory returns is defined with the first one.
+    factory(vocabulary: GrammarVocabulary, options: GrammarOptions) -> srv.sdk.grammar.GrammarBackend
     """
 
 
@@ -174,6 +176,14 @@ def srv_register_lora_backends(register: Register) -> None:
     """Register multi-LoRA kernels (`--lora-backend`).
 
     No built-in backend yet: the base class a factory returns is defined with the first one.
+    """
+
+
+@hookspec
+def srv_register_tool_call_parsers(register: Register) -> None:
+    """Register tool-call formats (`--tool-call-parser`) for /v1/chat/completions with `tools`.
+
+    factory() -> srv.sdk.tools.ToolCallParser
     """
 
 

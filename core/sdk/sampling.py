@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from srv.sdk.grammar import GRAMMAR_KINDS, GrammarSpec
+
 
 @dataclass
 class SamplingParams:
@@ -29,6 +31,18 @@ class SamplingParams:
     n: int = 1
     logprobs: bool = False
     top_logprobs: int = 0
+    # Constrained decoding: at most one of these (a JSON schema as text, a regex, an EBNF grammar).
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+
+    @property
+    def grammar(self) -> GrammarSpec | None:
+        for kind in GRAMMAR_KINDS:
+            value = getattr(self, kind)
+            if value is not None:
+                return GrammarSpec(kind, value)
+        return None
 
     @property
     def greedy(self) -> bool:

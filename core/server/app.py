@@ -19,6 +19,7 @@ from starlette.routing import Route
 
 from srv.engine.frontend import EngineDead, Frontend, QueueFull
 from srv.engine.request_state import RequestState
+from srv.sdk.tools import ToolCallParser
 from srv.server.metrics import ServerMetrics
 from srv.server.request_log import RequestLog
 
@@ -47,6 +48,7 @@ class ServerContext:
     alive: Callable[[], bool] = lambda: True
     version: str = ""
     metrics: ServerMetrics | None = None
+    tool_parser: ToolCallParser | None = None   # --tool-call-parser, for /v1/chat/completions with tools
 
     @property
     def tokenizer(self) -> Any:

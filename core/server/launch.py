@@ -12,7 +12,9 @@ from typing import Any
 import uvicorn
 
 import srv
+from srv.backend_registry import BackendRegistry
 from srv.plugin_manager import PluginManager
+from srv.sdk.tools import ToolCallParser
 from srv.server.app import ServerContext, build_app
 from srv.engine.diagnostics import install_gc_warning
 from srv.server.metrics import ServerMetrics
@@ -23,12 +25,12 @@ from srv.server.scheduler_process import SchedulerProcess
 logger = logging.getLogger("srv.server")
 
 
-def serve(args: Namespace, manager: PluginManager) -> int:
+def serve(args: Namespace, manager: PluginManager, registry: BackendRegistry) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return asyncio.run(_serve(args, manager))
+    return asyncio.run(_serve(args, manager, registry))
 
 
-async def _serve(args: Namespace, manager: PluginManager) -> int:
+async def _serve(args: Namespace, manager: PluginManager, registry: BackendRegistry) -> int:
     log = RequestLog(args)
     model_name = args.served_model_name or args.model_path or "SmolLM2-135M-Instruct"
     try:
@@ -57,7 +59,7 @@ async def _serve(args: Namespace, manager: PluginManager) -> int:
     signals: list[int] = []
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, on_signal)
-    scheduler = SchedulerProcess(args, on_death)
+    scheduler = SchedulerProcess(args, registry, on_death)
     try:
         try:
             frontend = await scheduler.start()
@@ -66,7 +68,8 @@ async def _serve(args: Namespace, manager: PluginManager) -> int:
             return 1
         ready = scheduler.ready
         context = ServerContext(frontend, args, model_name, {"model_dir": ready.model_dir, **ready.model_info}, log,
-                                alive=lambda: scheduler.alive, version=srv.__version__, metrics=metrics)
+                                alive=lambda: scheduler.alive, version=srv.__version__, metrics=metrics,
+                                tool_parser=_tool_parser(args, registry))
         if not args.skip_server_warmup:
             # One token through the whole path, so the first user request pays no one-time costs.
             await frontend.generate([None], [[0]], [{"max_new_tokens": 1}])
@@ -85,3 +88,11 @@ async def _serve(args: Namespace, manager: PluginManager) -> int:
         logger.error("exiting: %s", death[0])
         return 1
     return 0
+
+
+def _tool_parser(args: Namespace, registry: BackendRegistry) -> ToolCallParser | None:
+    """The --tool-call-parser; None when it is unset and no parser is installed (requests with
+    tools then get a 400 that names the flag)."""
+    if args.tool_call_parser is None and not registry.registrations("tool_call_parser"):
+        return None
+    return registry.choose("tool_call_parser", args.tool_call_parser).create()

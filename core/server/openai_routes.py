@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from pathlib import Path
@@ -12,6 +13,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from srv.engine.request_state import RequestState
+from srv.sdk.grammar import ANY_JSON_OBJECT
+from srv.server.chat_tools import ToolCalling, history_message
 from srv.server.app import APIError, ServerContext, checked, event_stream, field_of, read_json, until_done
 
 # OpenAI request fields (and SGLang's extra ones) and the srv sampling parameter each sets.
@@ -21,8 +24,25 @@ SAMPLING_FIELDS = {
     "frequency_penalty": ("frequency_penalty", (int, float)), "presence_penalty": ("presence_penalty", (int, float)),
     "seed": ("seed", int), "logit_bias": ("logit_bias", dict), "stop": ("stop", (str, list)),
     "stop_token_ids": ("stop_token_ids", list), "min_tokens": ("min_new_tokens", int),
-    "ignore_eos": ("ignore_eos", bool), "n": ("n", int),
+    "ignore_eos": ("ignore_eos", bool), "n": ("n", int), "regex": ("regex", str), "ebnf": ("ebnf", str),
 }
+
+
+def response_format_schema(body: dict[str, Any]) -> str | None:
+    """The JSON schema a `response_format` constrains the output to, as text (None: free text)."""
+    response_format = field_of(body, "response_format", dict)
+    if response_format is None or response_format.get("type") == "text":
+        return None
+    if response_format.get("type") == "json_object":
+        return ANY_JSON_OBJECT
+    if response_format.get("type") == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+            raise APIError("response_format.json_schema must be an object with a schema object", param="response_format")
+        # Without a schema any JSON object will do; `strict` changes nothing here, since the
+        # output is always constrained to the schema exactly.
+        return json.dumps(spec.get("schema") or json.loads(ANY_JSON_OBJECT))
+    raise APIError('response_format.type must be "text", "json_object" or "json_schema"', param="response_format")
 
 
 def sampling_params(body: dict[str, Any], logprobs: bool, top_logprobs: int = 0) -> dict[str, Any]:
@@ -39,6 +59,9 @@ def sampling_params(body: dict[str, Any], logprobs: bool, top_logprobs: int = 0)
             params[ours] = value
     if logprobs:
         params.update(logprobs=True, top_logprobs=top_logprobs)
+    schema = response_format_schema(body)
+    if schema is not None:
+        params["json_schema"] = schema
     return params
 
 
@@ -88,16 +111,20 @@ class OpenAIRoutes:
         return JSONResponse(self._model_card())
 
     def _stream(self, body: dict[str, Any], states: AsyncIterator[RequestState], rid: str, created: int,
-                kind: str, choice: Callable[[RequestState, str, bool], dict[str, Any]]) -> Response:
+                kind: str, choice: Callable[[RequestState, str, bool], dict[str, Any] | None]) -> Response:
         """Chunks of one streamed choice, and a last chunk with usage if stream_options ask."""
         include_usage = bool((field_of(body, "stream_options", dict) or {}).get("include_usage"))
         header = {"id": rid, "object": kind, "created": created, "model": self.context.model_name}
         last: list[RequestState] = []
+        started: list[bool] = []       # a chunk went out (the first one carries the role)
 
         def events(state: RequestState, text: str) -> list[Any]:
-            first = not last
             last[:] = [state]
-            return [{**header, "choices": [choice(state, text, first)]}]
+            piece = choice(state, text, not started)
+            if piece is None:
+                return []
+            started[:] = [True]
+            return [{**header, "choices": [piece]}]
 
         def closing() -> list[Any]:
             return [{**header, "choices": [], "usage": usage([last])}] if include_usage else []
@@ -166,7 +193,7 @@ class OpenAIRoutes:
 
     # ---- /v1/chat/completions ------------------------------------------------------------------
 
-    def render_chat(self, body: dict[str, Any]) -> str:
+    def render_chat(self, body: dict[str, Any], tools: ToolCalling | None = None) -> str:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise APIError("messages must be a non-empty list", param="messages")
@@ -183,9 +210,18 @@ class OpenAIRoutes:
                 content = "".join(p.get("text", "") for p in content)
             elif content is not None and not isinstance(content, str):
                 raise APIError("message content must be a string, an array of text parts or null", param="messages")
-            normalized.append({**message, "content": content or ""})
+            normalized.append(history_message({**message, "content": content or ""}, self.context.tool_parser,
+                                              self.template_source))
+        kwargs = {}
+        if tools is not None:
+            normalized = tools.announce(normalized, self.template_source)
+            kwargs = tools.template_kwargs(self.template_source)
         return self._tokenizer().apply_chat_template(normalized, chat_template=self.chat_template, tokenize=False,
-                                                     add_generation_prompt=True)
+                                                     add_generation_prompt=True, **kwargs)
+
+    @property
+    def template_source(self) -> str:
+        return self.chat_template or getattr(self._tokenizer(), "chat_template", None) or ""
 
     def _chat_logprobs(self, state: RequestState) -> dict[str, Any]:
         def entry(token: int, logprob: float) -> dict[str, Any]:
@@ -200,10 +236,17 @@ class OpenAIRoutes:
         body = await read_json(request)
         self.context.log.request("/v1/chat/completions", body)
         self.check_model(body)
-        prompt = self.render_chat(body)
+        tools = ToolCalling.from_body(body, self.context.tool_parser)
+        prompt = self.render_chat(body, tools)
         want_logprobs = field_of(body, "logprobs", bool) or False
         top = field_of(body, "top_logprobs", int) or 0
         params = sampling_params(body, want_logprobs, top)
+        tool_schema = tools.json_schema() if tools is not None else None
+        if tool_schema is not None:
+            if "json_schema" in params:
+                raise APIError("response_format cannot be combined with a required or named tool_choice",
+                               param="response_format")
+            params["json_schema"] = json.dumps(tool_schema)
         created, rid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
         frontend = self.context.frontend
         if field_of(body, "stream", bool):
@@ -211,22 +254,47 @@ class OpenAIRoutes:
                 raise APIError("streaming takes n = 1", param="stream")
             states = await frontend.stream(prompt, None, params, interval=self.context.args.stream_interval,
                                            labels=self.context.labels(request))
-
-            def choice(state: RequestState, text: str, first: bool) -> dict[str, Any]:
-                delta = {"role": "assistant", "content": text} if first else {"content": text}
-                return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": state.finish_reason}
-
-            return self._stream(body, states, rid, created, "chat.completion.chunk", choice)
+            return self._stream(body, states, rid, created, "chat.completion.chunk", self._chat_chunk(tools))
         [group] = await until_done(request, frontend.generate([prompt], [None], [params],
                                                               labels=self.context.labels(request)))
-        choices = [{"index": i, "message": {"role": "assistant", "content": checked(state).text},
-                    "logprobs": self._chat_logprobs(state) if want_logprobs else None,
-                    "finish_reason": state.finish_reason} for i, state in enumerate(group)]
+        choices = []
+        for i, state in enumerate(group):
+            message, called = ((tools.message(checked(state).text) if tools is not None
+                               else ({"role": "assistant", "content": checked(state).text}, False)))
+            choices.append({"index": i, "message": message,
+                            "logprobs": self._chat_logprobs(state) if want_logprobs else None,
+                            "finish_reason": "tool_calls" if called and state.finish_reason == "stop" else state.finish_reason})
         response = {"id": rid, "object": "chat.completion", "created": created, "model": self.context.model_name,
                     "choices": choices, "usage": usage([group])}
-        self.context.log.response("/v1/chat/completions", {"id": rid, "text": [c["message"]["content"] for c in choices],
+        self.context.log.response("/v1/chat/completions", {"id": rid, "messages": [c["message"] for c in choices],
                                                            "usage": response["usage"]})
         return JSONResponse(response)
+
+    @staticmethod
+    def _chat_chunk(tools: ToolCalling | None) -> Callable[[RequestState, str, bool], dict[str, Any] | None]:
+        """The choice of each streamed chunk: content deltas, and with tools, tool-call deltas."""
+        stream = tools.stream() if tools is not None else None
+
+        def choice(state: RequestState, text: str, first: bool) -> dict[str, Any] | None:
+            delta: dict[str, Any] = {"role": "assistant"} if first else {}
+            finish = state.finish_reason
+            if stream is None:
+                delta["content"] = text
+            else:
+                content, deltas = stream.feed(text)
+                if finish is not None:
+                    content += stream.finish()
+                if content:
+                    delta["content"] = content
+                if deltas:
+                    delta["tool_calls"] = tools.delta_objects(deltas)
+                if stream.calls and finish == "stop":
+                    finish = "tool_calls"
+                if not delta and finish is None:
+                    return None
+            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+
+        return choice
 
 
 def openai_routes(context: ServerContext) -> list[Route]:

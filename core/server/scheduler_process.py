@@ -22,6 +22,8 @@ from typing import Any, Callable
 import zmq
 import zmq.asyncio
 
+from srv.backend_registry import BackendRegistry
+from srv.engine.grammar import GrammarCompiler
 from srv.engine.tokenizer import load_tokenizer
 from srv.engine.diagnostics import install_gc_warning
 from srv.engine.frontend import Frontend
@@ -33,6 +35,7 @@ logger = logging.getLogger("srv.scheduler_process")
 class SchedulerReady:
     model_dir: str
     context_len: int
+    vocab_size: int
     model_info: dict[str, Any]
 
 
@@ -66,7 +69,7 @@ def run_scheduler_process(args: Namespace, requests_addr: str, outputs_addr: str
         outputs.send_pyobj(SchedulerFailed(f"{type(exc).__name__}: {exc}"))
         os._exit(1)
     config = runner.config
-    outputs.send_pyobj(SchedulerReady(str(runner.model_dir), runner.context_len, {
+    outputs.send_pyobj(SchedulerReady(str(runner.model_dir), runner.context_len, config.vocab_size, {
         "architectures": list(getattr(config, "architectures", None) or []),
         "dtype": str(runner.dtype).removeprefix("torch."),
         "kv_capacity_tokens": scheduler.allocator.capacity_tokens,
@@ -128,8 +131,8 @@ class Watchdog:
 class SchedulerProcess:
     """Starts the scheduler process and connects a `Frontend` to it."""
 
-    def __init__(self, args: Namespace, on_death: Callable[[str], None]) -> None:
-        self.args, self.on_death = args, on_death
+    def __init__(self, args: Namespace, registry: BackendRegistry, on_death: Callable[[str], None]) -> None:
+        self.args, self.registry, self.on_death = args, registry, on_death
         self._dir = tempfile.mkdtemp(prefix="srv-")
         self._context = zmq.asyncio.Context()
         self._requests = zmq.Context.instance().socket(zmq.PUSH)
@@ -156,8 +159,10 @@ class SchedulerProcess:
             raise RuntimeError(f"the scheduler could not start: {message.error}")
         self.ready = message
         tokenizer = None if self.args.skip_tokenizer_init else load_tokenizer(self.args, message.model_dir)
+        grammars = None if tokenizer is None else GrammarCompiler(
+            self.args, self.registry, tokenizer, message.vocab_size, message.model_info["eos_token_ids"])
         self.frontend = Frontend(self._requests.send_pyobj, tokenizer, self.args, message.context_len,
-                                 message.model_dir)
+                                 message.model_dir, grammars)
         self._tasks = [asyncio.create_task(self._receive()), asyncio.create_task(self._watch())]
         return self.frontend
 
