@@ -14,7 +14,7 @@ import json
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -46,6 +46,7 @@ class ServeConfig:
     tokenizer: str | None = None
     timeout: float = 600.0
     disable_tqdm: bool = False
+    extra_body: dict[str, Any] = field(default_factory=dict)   # merged into every request
 
 
 def request_body(config: ServeConfig, model: str | None, prompt: Prompt) -> dict[str, Any]:
@@ -53,6 +54,7 @@ def request_body(config: ServeConfig, model: str | None, prompt: Prompt) -> dict
         "max_tokens": prompt.output_len, "temperature": 0.0, "ignore_eos": True,
         "stream": True, "stream_options": {"include_usage": True},
     }
+    body.update(config.extra_body)
     if model is not None:
         body["model"] = model
     if config.endpoint == "chat":
@@ -220,6 +222,7 @@ class Benchmark:
             # JSON has no infinity: null means every request is sent at once.
             "request_rate": None if math.isinf(config.request_rate) else config.request_rate,
             "concurrency": config.concurrency, "fresh_connections": config.fresh_connections,
+            "extra_body": config.extra_body,
             "tokenizer": config.tokenizer, **summary,
         }
 

@@ -51,6 +51,16 @@ def _ratio(text: str) -> float:
     return value
 
 
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
 class _DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
     """Shows defaults, except the empty ones (None, False) that say nothing."""
 
@@ -106,6 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--fresh-connections", action="store_true",
                        help="open a new HTTP connection per request (llama-server closes it after each stream)")
     serve.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take")
+    serve.add_argument("--extra-body", type=_json_object, default={}, metavar="JSON",
+                       help='fields added to every request, e.g. \'{"regex": "[a-z]+"}\' or a response_format')
     _add_output(serve)
 
     offline = commands.add_parser(
@@ -155,7 +167,7 @@ def _serve(args: argparse.Namespace) -> int:
         input_len=args.input_len, output_len=args.output_len, range_ratio=args.range_ratio,
         shared_prefix_len=args.shared_prefix_len, seed=args.seed, warmup_requests=args.warmup_requests,
         fresh_connections=args.fresh_connections, tokenizer=args.tokenizer, timeout=args.timeout,
-        disable_tqdm=args.disable_tqdm)
+        disable_tqdm=args.disable_tqdm, extra_body=args.extra_body)
     result = run_serve_benchmark(config)
     _emit(result, args, format_table(result))
     return 1 if result["failed"] else 0

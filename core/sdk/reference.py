@@ -9,8 +9,8 @@ import re
 from srv.sdk import API_VERSION, hookspecs
 
 MARKER = "<!-- Everything below is generated from the code by `make docs`. -->"
-MODULES = ["srv.sdk.registration", "srv.sdk.attention", "srv.sdk.sampling", "srv.sdk.cache",
-           "srv.sdk.scheduling", "srv.sdk.models", "srv.sdk.testing"]
+MODULES = ["srv.sdk.registration", "srv.sdk.attention", "srv.sdk.sampling", "srv.sdk.grammar", "srv.sdk.tools",
+           "srv.sdk.cache", "srv.sdk.scheduling", "srv.sdk.models", "srv.sdk.testing"]
 
 
 def _doc(obj: object) -> str:

@@ -36,26 +36,39 @@ class ToolCallDelta:
     arguments: str = ""
 
 
+class JsonCursor:
+    """Where a character stands in JSON text: nesting depth and whether inside a string."""
+
+    def __init__(self) -> None:
+        self.depth, self.in_string, self._escaped = 0, False, False
+
+    def step(self, char: str) -> None:
+        if self.in_string:
+            if self._escaped:
+                self._escaped = False
+            elif char == "\\":
+                self._escaped = True
+            elif char == '"':
+                self.in_string = False
+        elif char == '"':
+            self.in_string = True
+        elif char in "{[":
+            self.depth += 1
+        elif char in "}]":
+            self.depth -= 1
+
+    @property
+    def outside(self) -> bool:
+        return self.depth <= 0 and not self.in_string
+
+
 def json_value_end(text: str, start: int) -> int | None:
     """The end offset of the JSON object or array starting at `text[start]`, None while unclosed."""
-    depth, in_string, escaped = 0, False, False
+    cursor = JsonCursor()
     for i in range(start, len(text)):
-        char = text[i]
-        if in_string:
-            if escaped:
-                escaped = False
-            elif char == "\\":
-                escaped = True
-            elif char == '"':
-                in_string = False
-        elif char == '"':
-            in_string = True
-        elif char in "{[":
-            depth += 1
-        elif char in "}]":
-            depth -= 1
-            if depth == 0:
-                return i + 1
+        cursor.step(text[i])
+        if cursor.outside:
+            return i + 1
     return None
 
 
@@ -114,6 +127,9 @@ class ToolCallStream:
         self._whole_output = whole_output
         self._pending = ""                 # text not yet attributed
         self._block = ""
+        # Where the search for the end marker stands in the block, and the JSON around it there:
+        # a marker inside a JSON string (an argument's value) does not end the block.
+        self._cursor, self._scan_position = JsonCursor(), 0
 
     def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
         self._pending += text
@@ -132,7 +148,7 @@ class ToolCallStream:
                 self._inside, self._block = True, ""
             self._block += self._pending
             self._pending = ""
-            end = self._block.find(self.parser.end_marker) if self.parser.end_marker and not self._whole_output else -1
+            end = self._find_end() if self.parser.end_marker and not self._whole_output else -1
             if end < 0:
                 deltas += self.scanner.feed(self._block)
                 break
@@ -140,7 +156,23 @@ class ToolCallStream:
             deltas += self.scanner.feed(self._block)
             self._inside = False
             self.scanner.new_block()
+            self._cursor, self._scan_position = JsonCursor(), 0
         return content, deltas
+
+    def _find_end(self) -> int:
+        """The offset of the end marker in the block, outside any JSON value; -1 if not there yet."""
+        block, marker = self._block, self.parser.end_marker
+        i = self._scan_position
+        while i < len(block):
+            if self._cursor.outside and block[i] == marker[0]:
+                if block.startswith(marker, i):
+                    return i
+                if marker.startswith(block[i:]):
+                    break                  # maybe the marker's beginning: look again with more text
+            self._cursor.step(block[i])
+            i += 1
+        self._scan_position = i
+        return -1
 
     def finish(self) -> str:
         """Content held back at the end (a partial marker that never completed)."""

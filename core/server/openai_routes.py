@@ -13,7 +13,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from srv.engine.request_state import RequestState
-from srv.sdk.grammar import ANY_JSON_OBJECT
+from srv.sdk.grammar import ANY_JSON_OBJECT, GRAMMAR_KINDS
 from srv.server.chat_tools import ToolCalling, history_message
 from srv.server.app import APIError, ServerContext, checked, event_stream, field_of, read_json, until_done
 
@@ -24,7 +24,9 @@ SAMPLING_FIELDS = {
     "frequency_penalty": ("frequency_penalty", (int, float)), "presence_penalty": ("presence_penalty", (int, float)),
     "seed": ("seed", int), "logit_bias": ("logit_bias", dict), "stop": ("stop", (str, list)),
     "stop_token_ids": ("stop_token_ids", list), "min_tokens": ("min_new_tokens", int),
-    "ignore_eos": ("ignore_eos", bool), "n": ("n", int), "regex": ("regex", str), "ebnf": ("ebnf", str),
+    "ignore_eos": ("ignore_eos", bool), "n": ("n", int),
+    # SGLang's constrained-decoding extensions (OpenAI's own is response_format).
+    "json_schema": ("json_schema", (str, dict)), "regex": ("regex", str), "ebnf": ("ebnf", str),
 }
 
 
@@ -61,6 +63,8 @@ def sampling_params(body: dict[str, Any], logprobs: bool, top_logprobs: int = 0)
         params.update(logprobs=True, top_logprobs=top_logprobs)
     schema = response_format_schema(body)
     if schema is not None:
+        if any(kind in params for kind in GRAMMAR_KINDS):
+            raise APIError("response_format cannot be combined with json_schema, regex or ebnf", param="response_format")
         params["json_schema"] = schema
     return params
 
@@ -243,9 +247,9 @@ class OpenAIRoutes:
         params = sampling_params(body, want_logprobs, top)
         tool_schema = tools.json_schema() if tools is not None else None
         if tool_schema is not None:
-            if "json_schema" in params:
-                raise APIError("response_format cannot be combined with a required or named tool_choice",
-                               param="response_format")
+            if any(kind in params for kind in GRAMMAR_KINDS):
+                raise APIError("a required or named tool_choice cannot be combined with response_format, json_schema, "
+                               "regex or ebnf", param="tool_choice")
             params["json_schema"] = json.dumps(tool_schema)
         created, rid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
         frontend = self.context.frontend
