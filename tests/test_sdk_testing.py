@@ -20,8 +20,10 @@ from srv.plugins.sampling.pytorch_sampler import PyTorchSampler
 from srv.sdk.attention import AttentionBackend
 from srv.sdk.cache import EvictionPolicy
 from srv.sdk.scheduling import SchedulePolicy
-from srv.sdk.testing import (AttentionBackendKit, EvictionPolicyKit, ModelImplKit, ModelLoaderKit, SamplerKit,
-                             SchedulePolicyKit, hf_greedy, registered_temporarily, tiny_llama, write_tiny_llama)
+import test_grammar_backends
+from srv.sdk.testing import (AttentionBackendKit, EvictionPolicyKit, GrammarBackendKit, ModelImplKit, ModelLoaderKit,
+                             SamplerKit, SchedulePolicyKit, ToolCallParserKit, hf_greedy, registered_temporarily,
+                             tiny_llama, write_tiny_llama)
 
 pytest_plugins = ["pytester"]
 
@@ -72,6 +74,18 @@ class TestDFSWeight(SchedulePolicyKit):
     backend_name = "dfs-weight"
 
 
+class TestHermesParser(ToolCallParserKit):
+    backend_name = "hermes"
+
+
+class TestQwen25Parser(ToolCallParserKit):
+    backend_name = "qwen25"
+
+
+class TestSmolLM2Parser(ToolCallParserKit):
+    backend_name = "smollm2"
+
+
 class TestSafetensorsLoader(ModelLoaderKit):
     backend_name = "safetensors"
 
@@ -96,13 +110,17 @@ class TestTransformersModelImpl(ModelImplKit):
 
 
 KIT_FAMILIES = {AttentionBackendKit: "attention", SamplerKit: "sampling", EvictionPolicyKit: "eviction_policy",
-                SchedulePolicyKit: "schedule_policy", ModelLoaderKit: "load_format", ModelImplKit: "model_impl"}
+                SchedulePolicyKit: "schedule_policy", ModelLoaderKit: "load_format", ModelImplKit: "model_impl",
+                GrammarBackendKit: "grammar", ToolCallParserKit: "tool_call_parser"}
 NOT_KIT_TESTED = {("load_format", "gguf"): "needs a GGUF writer for make_checkpoint (tests/test_gguf_convert.py)",
-                  ("load_format", "dummy"): "random weights by design: nothing to compare with transformers"}
+                  ("load_format", "dummy"): "random weights by design: nothing to compare with transformers",
+                  ("grammar", "none"): "refuses every grammar by design (tests/test_structured_output.py)"}
 
 
 def test_every_builtin_backend_of_a_kit_family_is_tested():
-    tested = {(family, cls.backend_name) for cls in globals().values() if isinstance(cls, type)
+    # The grammar backends' kit classes live beside their other tests.
+    classes = [*globals().values(), *vars(test_grammar_backends).values()]
+    tested = {(family, cls.backend_name) for cls in classes if isinstance(cls, type)
               and cls.__name__.startswith("Test") for kit_class, family in KIT_FAMILIES.items()
               if issubclass(cls, kit_class)}
     registry = load_plugins()[1]

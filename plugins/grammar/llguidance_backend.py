@@ -94,26 +94,26 @@ class LLGuidanceBackend(GrammarBackend):
             try:
                 return LLMatcher.grammar_from_json_schema(spec.value, defaults=self._json_options)
             except ValueError as exc:
-                raise GrammarError(f"invalid json_schema: {exc}") from None
+                raise GrammarError(str(exc)) from None
         if spec.kind == "regex":
             return LLMatcher.grammar_from_regex(spec.value)
         if spec.kind == "ebnf":
             try:
                 return llguidance.grammar_from("ebnf", spec.value)
             except ValueError as exc:  # the GBNF -> Lark conversion names the problem
-                raise GrammarError(f"invalid ebnf: {exc}") from None
+                raise GrammarError(str(exc)) from None
         raise GrammarError(f"unknown grammar kind {spec.kind!r}")
 
     def compile(self, spec: GrammarSpec) -> LLMatcher:
         grammar = self._grammar(spec)
         is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, self._tokenizer)
         if is_error:
-            raise GrammarError(f"invalid {spec.kind}: {messages[0] if messages else 'rejected by llguidance'}")
+            raise GrammarError(messages[0] if messages else "rejected by llguidance")
         for message in messages:
             logger.warning("llguidance: %s", message)
         template = LLMatcher(self._tokenizer, grammar, log_level=0)
         if template.is_error():
-            raise GrammarError(f"invalid {spec.kind}: {template.get_error()}")
+            raise GrammarError(template.get_error())
         return template
 
     def matcher(self, compiled: LLMatcher) -> GrammarMatcher:

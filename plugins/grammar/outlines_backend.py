@@ -245,7 +245,7 @@ class OutlinesBackend(GrammarBackend):
         try:
             regex = build_regex_from_schema(spec.value, self._whitespace)
         except (ValueError, TypeError) as exc:
-            raise GrammarError(f"invalid json_schema: {exc}") from None
+            raise GrammarError(str(exc)) from None
         ignored = _ignored_number_keywords(schema)
         if ignored:
             logger.warning("outlines-core does not enforce %s in JSON schemas: generated numbers may be out of range",
@@ -257,8 +257,8 @@ class OutlinesBackend(GrammarBackend):
         try:
             index = Index(f"(?:{regex}){SENTINEL_REGEX}", self._vocabulary)
         except (ValueError, TypeError) as exc:
-            what = "the regex built from the schema" if spec.kind == "json_schema" else "regex"
-            raise GrammarError(f"invalid {what} {regex!r}: {exc}") from None
+            where = "" if spec.kind == "regex" else f"the regex built from the schema, {regex!r}: "
+            raise GrammarError(f"{where}{exc}") from None
         return OutlinesGrammar(index, self.sentinel_id)
 
     def matcher(self, compiled: OutlinesGrammar) -> GrammarMatcher:

@@ -37,8 +37,9 @@ class XGrammarMatcher(GrammarMatcher):
 class XGrammarBackend(GrammarBackend):
     def __init__(self, vocabulary: GrammarVocabulary, options: GrammarOptions) -> None:
         super().__init__(vocabulary, options)
-        info = xgrammar.TokenizerInfo.from_huggingface(
-            vocabulary.tokenizer, vocab_size=vocabulary.vocab_size, stop_token_ids=vocabulary.stop_token_ids)
+        info = _without_special_tokens(xgrammar.TokenizerInfo.from_huggingface(
+            vocabulary.tokenizer, vocab_size=vocabulary.vocab_size, stop_token_ids=vocabulary.stop_token_ids),
+            vocabulary)
         self._compiler = xgrammar.GrammarCompiler(info, max_threads=len(os.sched_getaffinity(0)))
 
     def compile(self, spec: GrammarSpec) -> Any:
@@ -54,3 +55,18 @@ class XGrammarBackend(GrammarBackend):
 
     def matcher(self, compiled: Any) -> GrammarMatcher:
         return XGrammarMatcher(xgrammar.GrammarMatcher(compiled))
+
+
+def _without_special_tokens(info: xgrammar.TokenizerInfo, vocabulary: GrammarVocabulary) -> xgrammar.TokenizerInfo:
+    """xgrammar treats special tokens such as <|im_start|> as their text, so they could appear
+    inside a JSON string; an empty token is one it never allows (stop tokens aside)."""
+    tokenizer = vocabulary.tokenizer
+    special = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+    special -= set(vocabulary.stop_token_ids)
+    if not special:
+        return info
+    encoded = [""] * vocabulary.vocab_size
+    for token, index in tokenizer.get_vocab().items():
+        if index < vocabulary.vocab_size and index not in special:
+            encoded[index] = token
+    return xgrammar.TokenizerInfo.from_vocab_and_metadata(encoded, info.dump_metadata())

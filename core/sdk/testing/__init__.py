@@ -13,6 +13,8 @@ backend, and pytest runs every check of the kit on it::
 | AttentionBackendKit | attention | backend_name or backend_factory | torch_native |
 | SamplerKit | sampling | backend_name or sampler_factory | pytorch |
 | EvictionPolicyKit | eviction_policy | backend_name or policy_factory | (contract only) |
+| GrammarBackendKit | grammar | backend_name or backend_factory | the grammar (jsonschema, re) |
+| ToolCallParserKit | tool_call_parser | backend_name or parser_factory | its own format_calls |
 | SchedulePolicyKit | schedule_policy | backend_name or policy_factory | (contract only) |
 | ModelLoaderKit | load_format | backend_name or loader_factory, make_checkpoint | transformers |
 | ModelImplKit | model_impl | backend_name or impl_factory, make_model_dir | transformers |
@@ -26,24 +28,29 @@ from __future__ import annotations
 import pytest
 
 # The kits' plain `assert`s get pytest's detailed messages (registered before they are imported).
-pytest.register_assert_rewrite(*(f"{__name__}.{m}" for m in ("attention", "cache", "models", "sampling", "scheduling")))
+pytest.register_assert_rewrite(*(f"{__name__}.{m}" for m in ("attention", "cache", "grammar", "models", "sampling",
+                                                             "scheduling", "tools")))
 
 from srv.sdk.testing.attention import AttentionBackendKit  # noqa: E402
 from srv.sdk.testing.cache import EvictionPolicyKit  # noqa: E402
+from srv.sdk.testing.grammar import GrammarBackendKit  # noqa: E402
 from srv.sdk.testing.models import ModelImplKit, ModelLoaderKit  # noqa: E402
 from srv.sdk.testing.registry import registered_temporarily  # noqa: E402
 from srv.sdk.testing.sampling import SamplerKit  # noqa: E402
 from srv.sdk.testing.scheduling import SchedulePolicyKit  # noqa: E402
+from srv.sdk.testing.tools import ToolCallParserKit  # noqa: E402
 from srv.sdk.testing.tiny_model import (hf_greedy, random_prompts, save_tiny_tokenizer, tiny_llama,  # noqa: E402
                                         write_tiny_llama)
 
 __all__ = [
     "AttentionBackendKit",
     "EvictionPolicyKit",
+    "GrammarBackendKit",
     "ModelImplKit",
     "ModelLoaderKit",
     "SamplerKit",
     "SchedulePolicyKit",
+    "ToolCallParserKit",
     "hf_greedy",
     "random_prompts",
     "registered_temporarily",

@@ -1,0 +1,142 @@
+"""The benchmark harness's pieces that need no peer: workloads, medians and ratios, the report,
+the plot, the results file and the machine-limit measurements (tiny sizes, no timing checks)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+# `benchmarks/` is a top-level folder of the repository, not part of the installed srv.
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.hf_peer import batch_inputs  # noqa: E402
+from benchmarks.limits import LimitSizes, measure_limits  # noqa: E402
+from benchmarks.llama_engine import BASE_CTX, SlotConfig, slot_configs  # noqa: E402
+from benchmarks.load import load_command  # noqa: E402
+from benchmarks.plot import plot_throughput  # noqa: E402
+from benchmarks.report import NOTES_BEGIN, NOTES_END, write_report  # noqa: E402
+from benchmarks.results import LAUNCH, BenchResults, Probe, Run  # noqa: E402
+from benchmarks.stats import median, medians, ratio  # noqa: E402
+from benchmarks.workloads import W1, W2, W3, num_prompts, workloads  # noqa: E402
+
+# Output tok/s per engine at each sweep point; W2 and W4 get fixed numbers below.
+SPEED = {"srv": {1: 50.0, 4: 150.0, 16: 400.0, 64: 600.0},
+         "llama.cpp": {1: 100.0, 4: 250.0, 16: 500.0, 64: 700.0},
+         "hf": {1: 25.0, 4: 80.0, 16: 200.0, 64: 300.0}}
+
+
+def serve_metrics(tok_s: float, ttft: float = 0.1, tpot: float = 0.02, failed: int = 0) -> dict[str, float]:
+    return {"completed": 32, "failed": failed, "duration_s": 4096 / tok_s, "output_tokens": 4096,
+            "output_throughput": tok_s, "ttft_median_s": ttft, "tpot_median_s": tpot, "itl_median_s": tpot}
+
+
+def fake_results() -> BenchResults:
+    runs = []
+    for rep, scale in ((1, 0.9), (2, 1.0), (3, 1.2)):       # the median is the rep-2 value
+        for engine, speeds in SPEED.items():
+            runs.append(Run(engine, rep, LAUNCH, {"launch_to_first_token_s": {"srv": 4.0, "llama.cpp": 1.0,
+                                                                               "hf": 6.0}[engine] * scale}))
+            for c, tok_s in speeds.items():
+                runs.append(Run(engine, rep, f"c{c}", serve_metrics(tok_s * scale, tpot=1 / speeds[1] * scale)))
+            runs.append(Run(engine, rep, W2, serve_metrics(300.0 * scale, ttft=0.2 * scale)))
+    # A run that lost requests must not move the medians.
+    runs.append(Run("srv", 4, W1, serve_metrics(1.0, failed=3)))
+    limits = measure_limits(1_000_000, LimitSizes(bandwidth_bytes=1 << 20, matmul_k=32, matmul_n=32, seconds=0.0))
+    return BenchResults(started="2026-01-01 00:00 UTC", repeats=3, quick=False,
+                        machine={"date": "2026-01-01 00:00 UTC", "cpu_model": "Test CPU", "cpus": 2,
+                                 "memory_gib": 24.0, "isa": ["avx512f"], "loadavg_start": 0.1, "loadavg_end": 0.2},
+                        limits=limits, engines=list(SPEED), chosen={"srv": "defaults", "llama.cpp": "--repack",
+                                                                    "hf": "bf16"},
+                        probes=[Probe("llama.cpp", "--repack -t 2", 500.0), Probe("llama.cpp", "--no-repack -t 2",
+                                                                                  None, "exited with -4")],
+                        runs=runs, duration_s=600.0)
+
+
+def test_workloads_reuse_the_sweep_for_w1_and_w3():
+    names = [w.name for w in workloads(quick=False)]
+    assert names == ["c1", "c4", "c16", "c64", "prefix16"] and W1 == "c16" and W3 == "c1" and W2 == "prefix16"
+    assert [num_prompts(c, False) for c in (1, 4, 16, 64)] == [4, 8, 32, 128]
+    assert [num_prompts(c, True) for c in (1, 4, 16, 64)] == [2, 4, 16, 64]
+    prefix = workloads(quick=True)[-1]
+    assert prefix.shared_prefix_len == 512 and prefix.context_tokens == 768
+
+
+def test_median_and_ratio():
+    assert median([3.0, 1.0, 2.0]) == 2.0
+    assert median([4.0, 1.0, 2.0, 3.0]) == 2.5
+    assert median([]) is None
+    assert ratio(2.0, 4.0) == 0.5
+    assert ratio(None, 4.0) is None and ratio(2.0, None) is None and ratio(2.0, 0.0) is None
+
+
+def test_medians_leave_out_runs_with_failed_requests():
+    values = medians(fake_results().runs)
+    assert values[("srv", W1, "output_throughput")] == pytest.approx(400.0)
+    assert values[("hf", LAUNCH, "launch_to_first_token_s")] == pytest.approx(6.0)
+
+
+def test_llama_slots_give_every_stream_room():
+    groups = slot_configs(workloads(quick=False))
+    assert [[w.name for w in ws] for ws in groups.values()] == [["c1", "c4", "c16", "prefix16"], ["c64"]]
+    small, large = groups
+    assert small == SlotConfig(16, BASE_CTX)
+    assert large.slots == 64 and large.ctx >= 64 * 256
+
+
+def test_load_command_for_llama_server():
+    prefix = workloads(quick=True)[-1]
+    command = load_command("http://127.0.0.1:1234", prefix, ROOT / "tok", fresh_connections=True)
+    assert command[1:3] == ["bench", "serve"]
+    for flag, value in (("--concurrency", "16"), ("--shared-prefix-len", "512"), ("--tokenizer", str(ROOT / "tok"))):
+        assert command[command.index(flag) + 1] == value
+    assert "--fresh-connections" in command and "--json" in command
+
+
+def test_hf_batches_are_left_padded():
+    ids, mask = batch_inputs([[5, 6, 7], [8]], pad_id=0)
+    assert ids.tolist() == [[5, 6, 7], [0, 0, 8]]
+    assert mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+
+
+def test_limits_run_with_tiny_sizes():
+    sizes = LimitSizes(bandwidth_bytes=1 << 20, matmul_k=64, matmul_n=64, seconds=0.0)
+    limits = measure_limits(134_515_008, sizes)
+    assert limits["bandwidth"]["read_gb_s"] > 0 and limits["bandwidth"]["copy_gb_s"] > 0
+    assert set(limits["matmul_gflops"]) == {"bf16_m128", "bf16_m1", "fp32_m128", "fp32_m1"}
+    ceilings = {c["weight_format"]: c for c in limits["decode_ceilings"]}
+    assert ceilings["bf16"]["weight_bytes"] == 2 * 134_515_008
+    # Fewer bytes per weight, a proportionally higher single-stream ceiling.
+    assert ceilings["4-bit (Q4_1)"]["single_stream_tok_s"] == pytest.approx(
+        ceilings["bf16"]["single_stream_tok_s"] * 2 / (20 / 32))
+
+
+def test_report_has_the_medians_ratios_and_keeps_the_notes(tmp_path):
+    results = fake_results()
+    report, plot = tmp_path / "BENCHMARKS.md", tmp_path / "benchmarks" / "throughput.png"
+    report.write_text(f"old\n{NOTES_BEGIN}\nA human wrote this.\n{NOTES_END}\n")
+    plot_throughput(results, plot)
+    write_report(results, report, plot)
+    text = report.read_text()
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "![output tokens/s vs concurrency](benchmarks/throughput.png)" in text
+    assert "| workload | metric | srv | llama.cpp | hf | srv/llama.cpp | srv/hf |" in text
+    w1 = next(line for line in text.splitlines() if line.startswith("| W1:"))
+    assert "| 400.0 | 500.0 | 200.0 | 0.80× | 2.00× |" in w1
+    w4 = next(line for line in text.splitlines() if line.startswith("| W4:"))
+    assert "| 4.00 | 1.00 | 6.00² | 4.00× | 0.67× |" in w4
+    assert "| 64 | 600.0 | 700.0 | 300.0 | 0.86× | 2.00× |" in text
+    assert "Test CPU" in text and "exited with -4" in text
+    assert text.count("\n| srv | ") == 3 * 6 + 1                    # every run, the failed one too
+    assert "A human wrote this." in text and "old" not in text.split("# Benchmarks")[0]
+    write_report(results, report, plot)                              # regenerating keeps the notes once
+    assert report.read_text().count("A human wrote this.") == 1
+
+
+def test_results_round_trip_through_json(tmp_path):
+    results = fake_results()
+    results.save(tmp_path / "results.json")
+    assert BenchResults.load(tmp_path / "results.json") == results
