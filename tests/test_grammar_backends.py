@@ -37,7 +37,7 @@ class TestLLGuidance(GrammarBackendKit):
 class TestOutlines(GrammarBackendKit):
     backend_name = "outlines"
     supports_ebnf = False
-    enforces_number_bounds = False   # outlines-core 0.2.14 ignores minimum/maximum
+    enforces_number_bounds = False   # outlines-core ignores bounds; srv enforces only small integer ranges (as enums)
 
 
 def test_grammar_backends_are_registered_by_priority():

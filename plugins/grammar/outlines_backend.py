@@ -17,6 +17,7 @@ Two properties of outlines-core 0.2.14 shape this module:
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from typing import Any
@@ -39,6 +40,7 @@ _EXCLUDED_BYTE = SENTINEL.encode()[0]
 
 # JSON schema keywords outlines-core 0.2.14 accepts but does not enforce.
 IGNORED_NUMBER_KEYWORDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
+MAX_INTEGER_ENUM = 1024   # a larger range would make a regex alternation too big to be worth it
 
 
 def _gpt2_byte_decoder() -> dict[str, int]:
@@ -109,6 +111,24 @@ def _strip_anchors(regex: str) -> str:
         if backslashes % 2 == 0:  # not an escaped "\$"
             regex = regex[:-1]
     return regex
+
+
+def _bounded_integers_as_enums(schema: Any) -> Any:
+    """outlines-core ignores numeric bounds; an integer with both bounds and a small range is
+    rewritten as the enum of its values, which it does enforce."""
+    if isinstance(schema, list):
+        return [_bounded_integers_as_enums(value) for value in schema]
+    if not isinstance(schema, dict):
+        return schema
+    schema = {key: _bounded_integers_as_enums(value) for key, value in schema.items()}
+    if schema.get("type") == "integer":
+        low = schema.get("minimum", schema["exclusiveMinimum"] + 1 if isinstance(schema.get("exclusiveMinimum"), int) else None)
+        high = schema.get("maximum", schema["exclusiveMaximum"] - 1 if isinstance(schema.get("exclusiveMaximum"), int) else None)
+        if isinstance(low, int) and isinstance(high, int) and 0 <= high - low < MAX_INTEGER_ENUM:
+            step = schema.get("multipleOf")
+            rest = {k: v for k, v in schema.items() if k not in IGNORED_NUMBER_KEYWORDS and k != "type"}
+            return {**rest, "enum": [n for n in range(low, high + 1) if not isinstance(step, int) or n % step == 0]}
+    return schema
 
 
 def _ignored_number_keywords(schema: Any) -> set[str]:
@@ -241,9 +261,9 @@ class OutlinesBackend(GrammarBackend):
             return _strip_anchors(spec.value)
         if spec.kind != "json_schema":
             raise GrammarError(f"unknown grammar kind {spec.kind!r}")
-        schema = spec.schema()
+        schema = _bounded_integers_as_enums(spec.schema())
         try:
-            regex = build_regex_from_schema(spec.value, self._whitespace)
+            regex = build_regex_from_schema(json.dumps(schema), self._whitespace)
         except (ValueError, TypeError) as exc:
             raise GrammarError(str(exc)) from None
         ignored = _ignored_number_keywords(schema)
