@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test docs clean
+.PHONY: serve test docs bench clean
 
 $(STAMP): pyproject.toml constraints.txt Makefile $(wildcard examples/*/pyproject.toml examples/*/*/*.py)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,6 +27,13 @@ test: $(STAMP)
 docs: $(STAMP)
 	$(PY) -m srv.args.docs > docs/server_arguments.md
 	$(PY) -m srv.sdk.reference docs/plugins.md
+
+# BENCHMARKS.md, benchmarks/results.json and benchmarks/throughput.png: srv against llama.cpp's
+# llama-server (built once into ~/.cache/srv/bench) and HF transformers (in its own venv there).
+BENCH_REPEATS ?= 3
+bench: $(STAMP)
+	$(PY) -c "import matplotlib" 2>/dev/null || $(PIP) -e '.[bench]'
+	BENCH_REPEATS=$(BENCH_REPEATS) BENCH_QUICK=$(BENCH_QUICK) $(PY) -m benchmarks
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info

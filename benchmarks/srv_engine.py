@@ -1,0 +1,40 @@
+"""srv itself: `srv launch` with no flag but the port, i.e. the default model and backends."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+from dataclasses import dataclass
+
+from benchmarks.engine import Engine, measure_server, shell_line
+from benchmarks.load import SRV
+from benchmarks.results import Run
+from benchmarks.servers import ServerProcess, free_port
+
+logger = logging.getLogger("benchmarks")
+
+
+@dataclass
+class SrvEngine(Engine):
+    name = "srv"
+
+    def server(self, tag: str) -> ServerProcess:
+        port = free_port()
+        return ServerProcess(self.name, self.command(str(port)), port, self.context.log_dir / f"srv-{tag}.log")
+
+    @staticmethod
+    def command(port: str) -> list[str]:
+        return [SRV, "launch", "--host", "127.0.0.1", "--port", port]
+
+    def prepare(self) -> None:
+        self.version = f"srv {importlib.metadata.version('srv')}, this checkout"
+        self.chosen = "defaults (`srv launch` with no model flag)"
+        self.server_commands = [shell_line(self.command("PORT"))]
+        # A first launch fills what a warm start reuses (the dequantized GGUF, the page cache).
+        with self.server("prime") as server:
+            logger.info("srv: priming launch")
+            server.launch_to_first_token()
+
+    def run_rep(self, rep: int) -> list[Run]:
+        return measure_server(self, self.server(f"rep{rep}"), self.context.workloads, rep, "defaults",
+                              fresh_connections=False, with_launch=True)

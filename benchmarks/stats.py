@@ -1,0 +1,35 @@
+"""Medians over repetitions and srv/peer ratios."""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from collections.abc import Iterable
+
+from benchmarks.results import Run
+
+Key = tuple[str, str, str]   # engine, workload, metric
+
+
+def median(values: Iterable[float]) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def ratio(ours: float | None, theirs: float | None) -> float | None:
+    """ours / theirs, or None when either is missing or the peer's is zero."""
+    if ours is None or not theirs:
+        return None
+    return ours / theirs
+
+
+def medians(runs: Iterable[Run]) -> dict[Key, float]:
+    """The median of each metric of each engine's workload over the repetitions that completed it:
+    a run with failed requests says nothing about speed and is left out."""
+    samples: dict[Key, list[float]] = defaultdict(list)
+    for run in runs:
+        if run.metrics.get("failed"):
+            continue
+        for metric, value in run.metrics.items():
+            samples[(run.engine, run.workload, metric)].append(value)
+    return {key: value for key, values in samples.items() if (value := median(values)) is not None}

@@ -1,0 +1,64 @@
+"""The measured workloads: one concurrency sweep whose points double as W1 and W3, plus W2.
+
+Every request has 128 prompt tokens and 128 output tokens (ignore_eos), so the requests of a wave
+start and finish together and a second wave would only repeat the first: from 16 streams up one
+wave is sent (64 streams already take a minute per engine on two cores), below that two waves, at
+least 4 requests, give the latencies a few more samples for a few seconds. The quick mode sends
+one wave per point, at least 2 requests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+INPUT_LEN = 128
+OUTPUT_LEN = 128
+SHARED_PREFIX_LEN = 512
+SWEEP = (1, 4, 16, 64)
+W1_CONCURRENCY = 16
+W3_CONCURRENCY = 1
+W2_CONCURRENCY = 16
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    concurrency: int
+    num_prompts: int
+    input_len: int = INPUT_LEN
+    output_len: int = OUTPUT_LEN
+    shared_prefix_len: int = 0
+
+    @property
+    def context_tokens(self) -> int:
+        """Tokens one request occupies at its end: what a server slot must hold."""
+        return self.shared_prefix_len + self.input_len + self.output_len
+
+
+TWO_WAVES_UP_TO = 8     # prompts
+
+
+def num_prompts(concurrency: int, quick: bool) -> int:
+    if quick:
+        return max(concurrency, 2)
+    return max(concurrency, min(2 * concurrency, TWO_WAVES_UP_TO), 4)
+
+
+def sweep_name(concurrency: int) -> str:
+    return f"c{concurrency}"
+
+
+W1 = sweep_name(W1_CONCURRENCY)
+W3 = sweep_name(W3_CONCURRENCY)
+W2 = f"prefix{W2_CONCURRENCY}"
+
+
+# What a peer's candidate configurations are compared on: one wave of W1.
+PROBE = Workload("probe", W1_CONCURRENCY, W1_CONCURRENCY)
+
+
+def workloads(quick: bool) -> list[Workload]:
+    """The sweep in increasing concurrency, then the shared-prefix workload."""
+    sweep = [Workload(sweep_name(c), c, num_prompts(c, quick)) for c in SWEEP]
+    prefix = Workload(W2, W2_CONCURRENCY, num_prompts(W2_CONCURRENCY, quick), shared_prefix_len=SHARED_PREFIX_LEN)
+    return sweep + [prefix]
