@@ -15,7 +15,7 @@ import torch
 from srv.backend_registry import AUTO, BackendRegistry, BackendUnavailable
 from srv.engine.default_model import default_model_path
 from srv.sdk.attention import AttentionBackend, ForwardBatch, KVCache
-from srv.sdk.models import ModelLoader
+from srv.sdk.models import ModelImpl, ModelLoader
 
 logger = logging.getLogger("srv.engine")
 
@@ -39,9 +39,10 @@ class ModelRunner:
         started = time.monotonic()
         self.model_dir = loader.prepare(path)
         self.config = self._load_config()
-        self.model = self._build_model()
+        impl, self.model = self._build_model()
         loader.load(self.model, self.model_dir)
         self.model.to(self.dtype).eval()
+        impl.finalize(self.model)
         logger.info("loaded %s (%s, %s) in %.1fs", path.name, self.config.architectures[0], self.dtype,
                     time.monotonic() - started)
         self.context_len = args.context_length or getattr(self.config, "max_position_embeddings", 4096)
@@ -77,7 +78,7 @@ class ModelRunner:
             setattr(config, key, value)
         return config
 
-    def _build_model(self) -> torch.nn.Module:
+    def _build_model(self) -> tuple[ModelImpl, torch.nn.Module]:
         impls = self.registry
         if self.args.model_impl != AUTO:
             impl = impls.choose("model_impl", self.args.model_impl).create(self.args)
@@ -94,7 +95,7 @@ class ModelRunner:
         # Build without initialising: every parameter is about to be overwritten by the loader.
         with torch.device("meta"):
             model = impl.build(self.config)
-        return model.to_empty(device="cpu")
+        return impl, model.to_empty(device="cpu")
 
     def _attention(self, name: str | None) -> AttentionBackend:
         registration = self.registry.choose("attention", name)

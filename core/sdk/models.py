@@ -50,3 +50,7 @@ class ModelImpl(ABC):
     @abstractmethod
     def build(self, config: Any) -> nn.Module:
         ...
+
+    def finalize(self, model: nn.Module) -> None:
+        """Called once the weights are loaded and cast to the served dtype: repack them for the
+        kernels the model runs (optional)."""

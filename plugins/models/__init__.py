@@ -23,6 +23,11 @@ class NativeModels(ModelImpl):
 
         return LlamaForCausalLM(config)
 
+    def finalize(self, model) -> None:
+        from srv.plugins.models.packed_linear import pack_linear_layers
+
+        pack_linear_layers(model)
+
 
 class TransformersModels(ModelImpl):
     """Any Hugging Face causal LM, as transformers builds it, with its attention on srv's KV cache."""

@@ -121,8 +121,8 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        # A tied head reads the embedding matrix directly: no shared Parameter to re-tie after
-        # the model is materialised from the meta device.
+        # A tied head reads the embedding matrix until finalize() gives it a head of its own: no
+        # shared Parameter to re-tie after the model is materialised from the meta device.
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         attention = self.layers[0].self_attn
@@ -136,8 +136,9 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             x = layer(x, rotary, batch)
         x = self.norm(x[batch.last_token_indices()])
-        head = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return F.linear(x, head).float()
+        if self.tie_word_embeddings:
+            return F.linear(x, self.embed_tokens.weight).float()
+        return self.lm_head(x).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters())
