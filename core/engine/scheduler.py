@@ -156,6 +156,23 @@ class Scheduler:
         self.req_pool.free(req.row)
         req.row, req.kv_len, req.allocated, req.cached_prefix_len, req.cache_node = None, 0, 0, 0, None
 
+    def _cache_computed_prefix(self, req: Req) -> None:
+        """Put a running request's computed pages in the prefix cache now, not only when it
+        ends, so that requests admitted while it runs share them (a common system prompt sent
+        by many clients at once is computed once)."""
+        aligned = req.kv_len // self.allocator.page_size * self.allocator.page_size
+        if aligned <= req.cached_prefix_len:
+            return
+        slots = self.req_pool.table[req.row, :aligned].clone()
+        already = self.tree.insert(req.token_ids[:aligned], slots)
+        # Pages another request cached meanwhile: use the cached copies, free ours.
+        self.allocator.free_slots(slots[req.cached_prefix_len: already])
+        cached, node = self.tree.match_prefix(req.token_ids[:aligned])
+        self.req_pool.table[req.row, :aligned] = cached
+        self.tree.lock(node)
+        self.tree.unlock(req.cache_node)
+        req.cache_node, req.cached_prefix_len = node, aligned
+
     def _retract(self, victim: Req | None = None, why: str = "KV memory full") -> None:
         """Free the KV of a running request (by default the most recent) and queue it again; it
         resumes later from its prompt and output so far (mostly found again in the prefix cache)."""
@@ -267,6 +284,10 @@ class Scheduler:
             return []
         scheduled_at = time.perf_counter()
         logits = self._forward(batch)
+        if self.tree is not None:
+            for req, extend in batch:
+                if extend > 1:
+                    self._cache_computed_prefix(req)
         if self.crash_on_nan and torch.isnan(logits).any():
             raise FloatingPointError(f"NaN in the logits of requests {[r.rid for r, _ in batch]} (--crash-on-nan)")
         forwarded_at = time.perf_counter()
