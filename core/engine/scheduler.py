@@ -32,6 +32,9 @@ DEFAULT_MAX_RUNNING_REQUESTS = 256
 INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.001
+# A waiting request whose prompt shares at least this many not-yet-cached tokens with a request
+# being prefilled waits for that prefill (as SGLang's in-batch prefix caching check).
+IN_BATCH_PREFIX_MIN_TOKENS = 32
 
 
 @dataclass
@@ -224,6 +227,8 @@ class Scheduler:
             if budget <= 0:
                 break
             if req.row is None:
+                if self._shares_uncached_prefix(req, [r for r, _ in scheduled]):
+                    continue
                 if not self._try_admit(req, budget, [r for r, _ in scheduled]):
                     break
             extend = min(req.seq_len - req.kv_len, budget)
@@ -234,6 +239,18 @@ class Scheduler:
             scheduled.append((req, extend))
             budget -= extend
         return scheduled
+
+    def _shares_uncached_prefix(self, req: Req, scheduled: list[Req]) -> bool:
+        """Whether `req` starts with a long prefix that a request in this step is computing:
+        it waits one step and finds that prefix in the cache instead of computing it again."""
+        if self.tree is None or not scheduled:
+            return False
+        tokens = req.token_ids
+        shared = max(_common_prefix_len(tokens, other.token_ids) for other in scheduled)
+        if shared < IN_BATCH_PREFIX_MIN_TOKENS:
+            return False
+        cached, _ = self.tree.match_prefix(tokens[: req.seq_len - 1])
+        return shared - cached.numel() >= IN_BATCH_PREFIX_MIN_TOKENS
 
     def _try_admit(self, req: Req, budget: int, scheduled: list[Req]) -> bool:
         """Admit a waiting request if a row and KV memory for its next chunk (plus the running
@@ -394,3 +411,11 @@ class Scheduler:
 
     def flush_cache(self) -> bool:
         return True if self.tree is None else self.tree.flush()
+
+
+def _common_prefix_len(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
