@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from benchmarks.grammar_cost import REGEX, mask_cost_rows
 from benchmarks.results import LAUNCH, BenchResults, Run
 from benchmarks.stats import medians, ratio
 from benchmarks.workloads import (INPUT_LEN, OUTPUT_LEN, SHARED_PREFIX_LEN, SWEEP, W1, W1_CONCURRENCY, W2,
@@ -170,6 +171,19 @@ def commands_section(results: BenchResults) -> list[str]:
     return lines
 
 
+def grammar_section(results: BenchResults) -> list[str]:
+    rows = mask_cost_rows(results.runs, W1_CONCURRENCY)
+    if not rows:
+        return []
+    return ["### Constrained decoding: mask cost per token", "",
+            f"srv with each `--grammar-backend`, W1's load ({W1_CONCURRENCY} concurrent, {INPUT_LEN} in / "
+            f"{OUTPUT_LEN} out) served free, then with every request constrained by the regex `{REGEX}` "
+            "(`--extra-body`), one run each. The extra time per decode step is shared by the "
+            f"{W1_CONCURRENCY} requests of the step.", "",
+            *md_table(["backend", "TPOT p50 free, ms", "TPOT p50 constrained, ms", "extra per token, µs"],
+                      [[b, fmt(f), fmt(c), fmt(d, 0)] for b, f, c, d in rows], "lrrr"), ""]
+
+
 def render(results: BenchResults, plot: str, notes: str) -> str:
     minutes = results.duration_s / 60
     lines = [
@@ -197,6 +211,7 @@ def render(results: BenchResults, plot: str, notes: str) -> str:
               f"Output tokens/s at each concurrency ({INPUT_LEN} in / {OUTPUT_LEN} out; HF: batch size). The "
               f"{W1_CONCURRENCY}-stream point is W1's runs, the 1-stream point W3's.", "",
               *sweep_table(results), "",
+              *grammar_section(results),
               *machine_section(results), "",
               *limits_section(results), "",
               *configs_section(results), "",

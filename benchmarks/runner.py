@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.engine import REPO, BenchContext, Engine
+from benchmarks.grammar_cost import measure_grammar_cost
 from benchmarks.hf_engine import HfEngine
 from benchmarks.limits import measure_limits
 from benchmarks.llama_engine import LlamaEngine
@@ -89,9 +90,21 @@ def run_bench(options: BenchOptions) -> BenchResults:
                 results.errors.append(f"{engine.name} repetition {rep} failed: {str(exc).splitlines()[0]}")
             results.save(options.results_path)   # a crash later keeps what was measured
 
+    grammar_commands: list[str] = []
+    if "srv" in results.engines:
+        logger.info("bench: mask cost of each grammar backend")
+        try:
+            grammar_runs, grammar_commands = measure_grammar_cost(context, 1)
+            results.runs += grammar_runs
+        except Exception as exc:
+            logger.error("grammar backends: %s", exc)
+            results.errors.append(f"grammar mask cost failed: {str(exc).splitlines()[0]}")
+
     for engine in engines:
         results.commands.servers[engine.name] = engine.server_commands
         results.commands.loads[engine.name] = engine.load_commands
+    if grammar_commands:
+        results.commands.loads["srv"] = results.commands.loads.get("srv", []) + grammar_commands
     results.machine["loadavg_end"] = load_average()
     results.duration_s = time.perf_counter() - started
     results.save(options.results_path)
