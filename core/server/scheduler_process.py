@@ -148,6 +148,10 @@ class SchedulerProcess:
 
     async def start(self) -> Frontend:
         self.process.start()
+        if not self.args.skip_tokenizer_init:
+            # Importing transformers' tokenizers takes about a second: done on the other core
+            # while the scheduler process loads the model, not after.
+            threading.Thread(target=_import_tokenizer_modules, name="srv-tokenizer-import", daemon=True).start()
         first = asyncio.ensure_future(self._outputs.recv_pyobj())
         while not first.done():
             await asyncio.wait({first}, timeout=0.2)
@@ -196,3 +200,7 @@ class SchedulerProcess:
             self.process.join()
         self._requests.close(linger=0)
         self._outputs.close(linger=0)
+
+
+def _import_tokenizer_modules() -> None:
+    from transformers import AutoTokenizer  # noqa: F401
