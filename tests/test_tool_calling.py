@@ -11,6 +11,7 @@ import openai
 import pytest
 
 from srv.plugin_manager import load_plugins
+from srv.sdk.testing.tools import streamed
 from test_server import API_KEY, MODEL, Server, post, wait_until_idle
 
 WEATHER = {"type": "function", "function": {
@@ -50,19 +51,9 @@ def test_parsers_find_calls_whole_and_streamed(name, output, content, calls, pie
     found_content, found = parser(name).parse(output)
     assert found_content == content
     assert [(c.name, json.loads(c.arguments)) for c in found] == calls
-    stream = parser(name).stream()
-    streamed, names, arguments = "", [], {}
-    for i in range(0, len(output), piece):
-        text, deltas = stream.feed(output[i:i + piece])
-        streamed += text
-        for delta in deltas:
-            if delta.name is not None:
-                assert delta.index == len(names), "each call is named once, in order"
-                names.append(delta.name)
-            arguments[delta.index] = arguments.get(delta.index, "") + delta.arguments
-    streamed += stream.finish()
-    assert streamed.strip() == content
-    assert [(n, json.loads(arguments[i])) for i, n in enumerate(names)] == calls
+    streamed_content, streamed_calls = streamed(parser(name), output, piece)
+    assert streamed_content.strip() == content
+    assert [(c.name, json.loads(c.arguments)) for c in streamed_calls] == calls
 
 
 def test_calls_written_back_parse_to_the_same_calls():
