@@ -27,9 +27,9 @@ from srv.sdk.sampling import SamplingBatch
 logger = logging.getLogger("srv.scheduler")
 
 # On CPU prefill is compute-bound, and a long chunk stalls every running decode and delays every
-# first token of its batch until the whole chunk is done. Measured with 16 streams of 128-token
-# prompts: 512 gave TTFT p50 0.9 s against 1.6 s for 2048 (and 1.25 s against 2.7 s with a
-# shared 512-token prefix), the same or higher throughput, and no change at 64 streams.
+# first token of its batch until the whole chunk is done. In `make bench` (16 streams, 128-token
+# prompts) 512 rather than 2048 halved TTFT p50 (1.86 to 0.92 s; 2.32 to 1.58 s with a shared
+# 512-token prefix) for 6-8% less throughput (see BENCHMARKS.md).
 DEFAULT_CPU_CHUNKED_PREFILL_SIZE = 512
 DEFAULT_MAX_RUNNING_REQUESTS = 256
 INIT_NEW_TOKEN_RATIO = 0.7
