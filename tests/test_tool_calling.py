@@ -188,7 +188,7 @@ def test_invalid_grammars_and_tools_are_a_400_and_the_server_keeps_serving(serve
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["type"] == "invalid_request_error" and error["param"] == param and error["message"]
-    assert wait_until_idle(server)["kv_tokens_in_use"] >= 0
+    wait_until_idle(server)   # the refused request was never queued: nothing left running
     ok = post(server, "/generate", {"text": "Hi", "sampling_params": {"max_new_tokens": 2}})
     assert ok.status_code == 200
 
