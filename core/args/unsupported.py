@@ -17,7 +17,6 @@ NOT_SUPPORTED_YET = frozenset({
     "--warmups",
     "--nccl-port",
     # Quantization and data type
-    "--quantization",
     "--quantization-param-path",
     "--modelopt-quant",
     "--modelopt-checkpoint-restore-path",

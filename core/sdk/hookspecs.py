@@ -87,7 +87,7 @@ def srv_register_sampling_backends(register: Register) -> None:
 def srv_register_quantization_methods(register: Register) -> None:
     """Register weight quantization methods (`--quantization`).
 
-    No built-in backend yet: the base class a factory returns is defined with the first one.
+    factory(server_args) -> srv.sdk.quantization.QuantizationMethod
     """
 
 

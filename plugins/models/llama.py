@@ -121,10 +121,10 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        # A tied head reads the embedding matrix until finalize() gives it a head of its own: no
-        # shared Parameter to re-tie after the model is materialised from the meta device.
-        if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # A tied head gets its own copy of the embedding matrix when the weights load: no shared
+        # Parameter to re-tie after the model is materialised from the meta device, and the head
+        # can be repacked or quantized like any other linear layer.
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         attention = self.layers[0].self_attn
         self.rotary = RotaryEmbedding(attention.head_dim, *rope_settings(config))
 
@@ -136,8 +136,6 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             x = layer(x, rotary, batch)
         x = self.norm(x[batch.last_token_indices()])
-        if self.tie_word_embeddings:
-            return F.linear(x, self.embed_tokens.weight).float()
         return self.lm_head(x).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -157,6 +155,9 @@ class LlamaForCausalLM(nn.Module):
             else:
                 params[name].data.copy_(tensor)
                 loaded.add(name)
+                if name == "embed_tokens.weight" and self.tie_word_embeddings:
+                    params["lm_head.weight"].data.copy_(tensor)
+                    loaded.add("lm_head.weight")
         missing = set(params) - loaded
         if missing:
             raise ValueError(f"checkpoint is missing weights: {sorted(missing)[:8]}")

@@ -34,13 +34,10 @@ def can_pack(dtype: torch.dtype) -> bool:
 
 
 def pack_linear_layers(model: nn.Module) -> None:
-    """Swap every bf16 nn.Linear for a PackedLinear; a tied vocabulary head gets one too."""
+    """Swap every bf16 nn.Linear for a PackedLinear."""
     if not can_pack(next(model.parameters()).dtype):
         return
     for name, module in list(model.named_modules()):
         if isinstance(module, nn.Linear):
             parent, _, leaf = name.rpartition(".")
             setattr(model.get_submodule(parent), leaf, PackedLinear(module.weight, module.bias))
-    if getattr(model, "tie_word_embeddings", False):
-        model.lm_head = PackedLinear(model.embed_tokens.weight, None)
-        model.tie_word_embeddings = False
