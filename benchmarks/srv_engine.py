@@ -1,4 +1,5 @@
-"""srv itself: `srv launch` with no flag but the port, i.e. the default model and backends."""
+"""srv itself: `srv launch` on the default model with `--quantization gguf`, so that it computes
+the GGUF file's own 4-bit weights, as llama-server does; every other choice is srv's default."""
 
 from __future__ import annotations
 
@@ -24,11 +25,11 @@ class SrvEngine(Engine):
 
     @staticmethod
     def command(port: str) -> list[str]:
-        return [SRV, "launch", "--host", "127.0.0.1", "--port", port]
+        return [SRV, "launch", "--quantization", "gguf", "--host", "127.0.0.1", "--port", port]
 
     def prepare(self) -> None:
         self.version = f"srv {importlib.metadata.version('srv')}, this checkout"
-        self.chosen = "defaults (`srv launch` with no model flag)"
+        self.chosen = "`--quantization gguf` (the file's Q4_1/Q8_0 weights), defaults otherwise"
         self.server_commands = [shell_line(self.command("PORT"))]
         # A first launch fills what a warm start reuses (the dequantized GGUF, the page cache).
         with self.server("prime") as server:
@@ -36,5 +37,5 @@ class SrvEngine(Engine):
             server.launch_to_first_token()
 
     def run_rep(self, rep: int) -> list[Run]:
-        return measure_server(self, self.server(f"rep{rep}"), self.context.workloads, rep, "defaults",
+        return measure_server(self, self.server(f"rep{rep}"), self.context.workloads, rep, "--quantization gguf",
                               fresh_connections=False, with_launch=True)

@@ -18,8 +18,12 @@ class KVCache:
     def __init__(self, num_slots: int, num_layers: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype) -> None:
         shape = (num_slots, num_kv_heads, head_dim)
-        self.k_buffers = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
-        self.v_buffers = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        # Left unwritten: zeroing gigabytes up front costs seconds of launch, and every slot is
+        # written before it is read, except slot 0, which padding reads and must hold finite values.
+        self.k_buffers = [torch.empty(shape, dtype=dtype) for _ in range(num_layers)]
+        self.v_buffers = [torch.empty(shape, dtype=dtype) for _ in range(num_layers)]
+        for buffer in self.k_buffers + self.v_buffers:
+            buffer[0].zero_()
         self.dtype = dtype
 
     def store(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

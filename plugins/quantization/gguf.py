@@ -28,8 +28,8 @@ from srv.sdk.quantization import QuantizationMethod
 GROUP = 32
 # Rows times planes from which the dense copy is used. Measured on AVX2 (SmolLM2's shapes): the
 # int4 kernel reads 4x fewer bytes but computes more slowly, and a float32 product whose weight
-# comes from DRAM overtakes one int4 plane between 16 and 32 rows.
-DENSE_FROM_ROWS = 32
+# comes from DRAM overtakes one int4 plane at about 16 rows (decode steps, in the model).
+DENSE_FROM_ROWS = 16
 ROWS_PER_SLICE = 1024
 # Recovered blocks must rebuild the file's values to float32 rounding.
 TOLERANCE = 1e-6
