@@ -22,8 +22,9 @@ from srv.sdk.cache import EvictionPolicy
 from srv.sdk.scheduling import SchedulePolicy
 import test_grammar_backends
 from srv.sdk.testing import (AttentionBackendKit, EvictionPolicyKit, GrammarBackendKit, ModelImplKit, ModelLoaderKit,
-                             SamplerKit, SchedulePolicyKit, ToolCallParserKit, hf_greedy, registered_temporarily,
-                             tiny_llama, write_tiny_llama)
+                             QuantizationMethodKit, SamplerKit, SchedulePolicyKit, ToolCallParserKit, hf_greedy,
+                             registered_temporarily, tiny_llama, write_tiny_llama)
+from srv.plugins.quantization.gguf import GGUFLinear, GGUFQuantization
 
 pytest_plugins = ["pytester"]
 
@@ -109,9 +110,33 @@ class TestTransformersModelImpl(ModelImplKit):
     backend_name = "transformers"
 
 
+def gguf_weight(kind: str, out_features: int, in_features: int, generator: torch.Generator) -> torch.Tensor:
+    """Float weights as a GGUF file of `kind` (Q4_1, Q8_0) holds them: quantized, then dequantized."""
+    import gguf
+
+    kind = gguf.GGMLQuantizationType[kind]
+    data = (torch.randn(out_features, in_features, generator=generator) * 0.05).numpy()
+    return torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(data, kind), kind).copy())
+
+
+class TestGGUFQuantizationQ4_1(QuantizationMethodKit):
+    backend_name = "gguf"
+
+    def make_weight(self, out_features, in_features, generator):
+        return gguf_weight("Q4_1", out_features, in_features, generator)
+
+
+class TestGGUFQuantizationQ8_0(QuantizationMethodKit):
+    backend_name = "gguf"
+
+    def make_weight(self, out_features, in_features, generator):
+        return gguf_weight("Q8_0", out_features, in_features, generator)
+
+
 KIT_FAMILIES = {AttentionBackendKit: "attention", SamplerKit: "sampling", EvictionPolicyKit: "eviction_policy",
                 SchedulePolicyKit: "schedule_policy", ModelLoaderKit: "load_format", ModelImplKit: "model_impl",
-                GrammarBackendKit: "grammar", ToolCallParserKit: "tool_call_parser"}
+                GrammarBackendKit: "grammar", ToolCallParserKit: "tool_call_parser",
+                QuantizationMethodKit: "quantization"}
 NOT_KIT_TESTED = {("load_format", "gguf"): "needs a GGUF writer for make_checkpoint (tests/test_gguf_convert.py)",
                   ("load_format", "dummy"): "random weights by design: nothing to compare with transformers",
                   ("grammar", "none"): "refuses every grammar by design (tests/test_structured_output.py)"}
@@ -475,3 +500,41 @@ def test_sdk_testing_imports_only_the_sdk_at_module_level():
                 offenders.append(f"{path.name}: {module} {sorted(names)}")
     assert offenders == []
     assert any(m == "srv" for m, _, _ in imports(package / "pytest_plugin.py"))  # the check sees lazy imports
+
+
+class DroppedPlaneQuantization(GGUFQuantization):
+    """Computes a Q8_0 layer from its high nibbles only."""
+
+    def quantize(self, name, linear):
+        layer = super().quantize(name, linear)
+        if layer is not None:
+            layer.planes = layer.planes[:1]
+        return layer
+
+
+class NoBiasGGUFLinear(GGUFLinear):
+    def forward(self, x):
+        bias, self.dense.bias = self.dense.bias, None
+        try:
+            return super().forward(x)
+        finally:
+            self.dense.bias = bias
+
+
+class NoBiasQuantization(GGUFQuantization):
+    def quantize(self, name, linear):
+        layer = super().quantize(name, linear)
+        return None if layer is None else NoBiasGGUFLinear(list(layer.planes), layer.dense)
+
+
+def test_quantization_kit_fails_broken_methods():
+    q8_0 = {"make_weight": lambda out_features, in_features, generator:
+            gguf_weight("Q8_0", out_features, in_features, generator)}
+    dropped = kit(QuantizationMethodKit, method_factory=DroppedPlaneQuantization, **q8_0)
+    assert "relative error" in assert_kit_fails(dropped.test_products_match_the_original_layers, False)
+    no_bias = kit(QuantizationMethodKit, method_factory=NoBiasQuantization, **q8_0)
+    no_bias.test_products_match_the_original_layers(False)
+    assert "bias=True" in assert_kit_fails(no_bias.test_products_match_the_original_layers, True)
+    # Plain random weights are not GGUF blocks: the method leaves them, and the kit says so.
+    assert "replaced none" in assert_kit_fails(kit(QuantizationMethodKit, method_factory=GGUFQuantization)
+                                               .test_apply_replaces_the_layers_and_counts_them)

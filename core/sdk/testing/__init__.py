@@ -18,6 +18,7 @@ backend, and pytest runs every check of the kit on it::
 | SchedulePolicyKit | schedule_policy | backend_name or policy_factory | (contract only) |
 | ModelLoaderKit | load_format | backend_name or loader_factory, make_checkpoint | transformers |
 | ModelImplKit | model_impl | backend_name or impl_factory, make_model_dir | transformers |
+| QuantizationMethodKit | quantization | backend_name or method_factory, make_weight | the float32 layer |
 
 Installing srv also installs a pytest plugin (`srv.sdk.testing.pytest_plugin`) with the
 fixtures `srv_tiny_model_dir` and `srv_engine_factory`. This package needs pytest (and torch).
@@ -28,13 +29,15 @@ from __future__ import annotations
 import pytest
 
 # The kits' plain `assert`s get pytest's detailed messages (registered before they are imported).
-pytest.register_assert_rewrite(*(f"{__name__}.{m}" for m in ("attention", "cache", "grammar", "models", "sampling",
-                                                             "scheduling", "tools")))
+pytest.register_assert_rewrite(*(f"{__name__}.{m}" for m in ("attention", "cache", "grammar", "models",
+                                                             "quantization", "sampling", "scheduling",
+                                                             "tools")))
 
 from srv.sdk.testing.attention import AttentionBackendKit  # noqa: E402
 from srv.sdk.testing.cache import EvictionPolicyKit  # noqa: E402
 from srv.sdk.testing.grammar import GrammarBackendKit  # noqa: E402
 from srv.sdk.testing.models import ModelImplKit, ModelLoaderKit  # noqa: E402
+from srv.sdk.testing.quantization import QuantizationMethodKit  # noqa: E402
 from srv.sdk.testing.registry import registered_temporarily  # noqa: E402
 from srv.sdk.testing.sampling import SamplerKit  # noqa: E402
 from srv.sdk.testing.scheduling import SchedulePolicyKit  # noqa: E402
@@ -48,6 +51,7 @@ __all__ = [
     "GrammarBackendKit",
     "ModelImplKit",
     "ModelLoaderKit",
+    "QuantizationMethodKit",
     "SamplerKit",
     "SchedulePolicyKit",
     "ToolCallParserKit",
