@@ -1,9 +1,10 @@
 """Linear layers on oneDNN with weights reordered once, after loading, into its blocked layout.
 
-A plain bf16 `F.linear` on CPU reorders the weight on every call; with the reorder done once
-the same products take 1.3x (batch 64) to 2x (one token) less time on this machine, and the
-model's largest matrix, the vocabulary head, is read at DRAM speed. Used only where oneDNN
-computes bf16; float32 keeps torch's own kernels.
+A plain `F.linear` on CPU either reorders a bf16 weight on every call or, in float32, goes to
+MKL. With the reorder done once, bf16 products take 1.3x (batch 64) to 2x (one token) less time
+on an AVX512-BF16 machine, and the vocabulary head is read at DRAM speed. In float32 on an AMD
+EPYC (AVX2), oneDNN beats MKL 1.5x to 2.4x on SmolLM2's shapes: 30 decoder MLP weights plus the
+head take 14.3 instead of 26.5 ms for one token and 35 instead of 62 for 16.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ class PackedLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
-        # The batch-size hint changes nothing measurable here; 1 is what decode runs most.
-        self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1),
+        # oneDNN picks the blocking for this many rows. In float32 a hint of 1 made 16- and
+        # 64-row products 1.3-1.5x slower than a hint of 16 or 64, which cost one row nothing.
+        self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 64),
                              persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
@@ -29,12 +31,13 @@ class PackedLinear(nn.Module):
 
 
 def can_pack(dtype: torch.dtype) -> bool:
-    return (dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if not torch.backends.mkldnn.is_available():
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def pack_linear_layers(model: nn.Module) -> None:
-    """Swap every bf16 nn.Linear for a PackedLinear."""
+    """Swap every float32 or bf16 nn.Linear for a PackedLinear."""
     if not can_pack(next(model.parameters()).dtype):
         return
     for name, module in list(model.named_modules()):
