@@ -130,6 +130,18 @@ ATTENTION_BACKENDS = load_plugins()[1].names("attention")
 SCHEDULE_POLICIES = load_plugins()[1].names("schedule_policy")
 
 
+@pytest.mark.parametrize("attention", ATTENTION_BACKENDS)
+def test_tiny_never_reads_unwritten_kv_slots(tiny_models, attention):
+    """The KV cache is allocated unwritten: poison every slot but 0 with NaN, and a batch of
+    uneven prompts in pages of 16 (slots reserved past each request's tokens) still matches HF."""
+    prompts = random_prompts(8)
+    with make_engine(tiny_models["llama"], attention_backend=attention, page_size=16) as engine:
+        for buffer in engine.runner.kv_cache.k_buffers + engine.runner.kv_cache.v_buffers:
+            buffer[1:] = float("nan")
+        results = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+        assert_matches_hf(engine, tiny_models["llama"], prompts, results)
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("attention", ATTENTION_BACKENDS)
 def test_tiny_batched_every_attention_backend(tiny_models, kind, attention):

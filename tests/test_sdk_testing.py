@@ -342,7 +342,7 @@ def test_schedule_kit_fails_broken_policies():
 
 BROKEN_PLUGIN_TESTS = '''
 import torch
-from srv.plugins.models import NativeModels
+from srv.plugins.models.impls import NativeModels
 from srv.plugins.models.llama import LlamaForCausalLM
 from srv.sdk.models import ModelLoader
 from srv.sdk.scheduling import SchedulePolicy

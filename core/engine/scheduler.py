@@ -328,9 +328,13 @@ class Scheduler:
             positions.append(torch.arange(req.kv_len, req.kv_len + extend))
             locs.append(self.req_pool.table[req.row, req.kv_len: req.kv_len + extend])
         rows = torch.tensor([req.row for req, _ in batch])
-        max_len = max(req.kv_len + extend for req, extend in batch)
+        lens = torch.tensor([req.kv_len + extend for req, extend in batch])
+        max_len = int(lens.max())
+        # Past its own tokens a row may hold slots reserved for later ones, never written yet:
+        # point them at slot 0 as ForwardBatch promises, or masked attention would read garbage.
+        kv_slots = self.req_pool.table[rows, :max_len].masked_fill_(torch.arange(max_len) >= lens[:, None], 0)
         logits = self.runner.forward(
-            torch.tensor(ids), torch.cat(positions), torch.cat(locs), self.req_pool.table[rows, :max_len],
+            torch.tensor(ids), torch.cat(positions), torch.cat(locs), kv_slots,
             [req.kv_len for req, _ in batch], [extend for _, extend in batch])
         for req, extend in batch:
             req.kv_len += extend

@@ -14,9 +14,10 @@ import json
 from abc import ABC, abstractmethod
 from argparse import Namespace
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import torch
+if TYPE_CHECKING:   # the HTTP process checks grammars without importing torch (seconds of launch)
+    import torch
 
 GrammarKind = Literal["json_schema", "regex", "ebnf"]
 GRAMMAR_KINDS: tuple[str, ...] = ("json_schema", "regex", "ebnf")
@@ -122,15 +123,16 @@ def bitmask_words(vocab_size: int) -> int:
 
 def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
     """A bitmask with every token allowed in every row."""
+    import torch
+
     return torch.full((rows, bitmask_words(vocab_size)), -1, dtype=torch.int32)
-
-
-_BIT_POSITIONS = torch.arange(32, dtype=torch.int32)
 
 
 def bitmask_to_bool(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """[rows, words] packed bits -> [rows, vocab_size] booleans, True where allowed."""
-    bits = (bitmask.unsqueeze(-1) >> _BIT_POSITIONS) & 1
+    import torch
+
+    bits = (bitmask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
     return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()
 
 

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from srv.sdk.grammar import GRAMMAR_KINDS, GrammarSpec
+
+if TYPE_CHECKING:   # annotations only: the HTTP process imports this module without torch
+    import torch
 
 
 @dataclass

@@ -1,0 +1,40 @@
+"""srv's model implementations (`--model-impl`), built lazily from the plugin's registrations."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from srv.sdk.models import ModelImpl
+
+
+class NativeModels(ModelImpl):
+    """srv's own implementations of the Llama family (Llama, SmolLM2, Qwen2, Qwen3)."""
+
+    def supports(self, config: Any) -> bool:
+        from srv.plugins.models.llama import supports
+
+        return supports(config)
+
+    def build(self, config: Any):
+        from srv.plugins.models.llama import LlamaForCausalLM
+
+        return LlamaForCausalLM(config)
+
+    def finalize(self, model) -> None:
+        from srv.plugins.models.packed_linear import pack_linear_layers
+
+        pack_linear_layers(model)
+
+
+class TransformersModels(ModelImpl):
+    """Any Hugging Face causal LM, as transformers builds it, with its attention on srv's KV cache."""
+
+    def supports(self, config: Any) -> bool:
+        from srv.plugins.models.transformers_impl import supports
+
+        return supports(config)
+
+    def build(self, config: Any):
+        from srv.plugins.models.transformers_impl import TransformersModel
+
+        return TransformersModel(config)
