@@ -454,3 +454,17 @@ def test_the_scheduler_does_not_outlive_a_killed_server():
     server.process.kill()
     server.process.wait()
     assert_gone({scheduler})
+
+
+def test_http_process_reaches_the_scheduler_start_without_torch():
+    """Importing torch takes seconds; the scheduler process needs it, the HTTP process does not
+    before it starts that process (launch time, W4 in BENCHMARKS.md)."""
+    code = ("import sys\n"
+            "from srv.plugin_manager import PluginManager\n"
+            "from srv.args.parser import parse_launch_args\n"
+            "manager = PluginManager(); manager.load_entry_points(); registry = manager.build_registry()\n"
+            "parse_launch_args([], manager, registry)\n"
+            "import srv.server.launch\n"
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
