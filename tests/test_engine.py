@@ -101,13 +101,21 @@ def test_default_model_prefix_cache_hit(default_engine, default_model_dir):
     assert_all_kv_returned(default_engine)
 
 
-@pytest.mark.parametrize("flags", [{"dtype": "bfloat16"}, {"dtype": "float32", "quantization": "gguf"}],
-                         ids=["bfloat16", "gguf-int4"])
+def test_default_model_gguf_kernels_match_hf(default_model_dir):
+    """`--quantization gguf` multiplies the file's own blocks into float32 activations: HF on
+    the same (dequantized) weights gives the same greedy tokens, for a batch of 8 decoding on
+    the kernels."""
+    with srv.Engine(quantization="gguf", dtype="float32") as engine:
+        ids = [engine.tokenizer.encode(p) for p in PROMPTS]
+        assert_matches_hf(engine, default_model_dir, ids, engine.generate(PROMPTS, GREEDY))
+
+
+@pytest.mark.parametrize("flags", [{"dtype": "bfloat16"}, {"dtype": "bfloat16", "quantization": "gguf"}],
+                         ids=["bfloat16", "gguf-bfloat16"])
 def test_default_model_bfloat16_within_tolerance(default_model_dir, flags):
     """bf16 arithmetic against the fp32 reference: every prompt's first token is one the reference
     ranks within BF16_LOGPROB_TOLERANCE of its best, and the top-5 next-token log-probabilities
-    differ by at most that. `--quantization gguf` computes the file's own weights with bf16
-    activations, so it is held to the same bound."""
+    differ by at most that, with the file's own blocks (`--quantization gguf`) too."""
     model = hf_model(str(default_model_dir))
     with srv.Engine(**flags) as engine:
         results = engine.generate(PROMPTS, {"max_new_tokens": 1, "temperature": 0, "top_logprobs": 5})

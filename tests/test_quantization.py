@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 import srv
-from srv.plugins.quantization.gguf import (DENSE_FROM_ROWS, GGUFLinear, int4_planes, q4_1_planes, q8_0_planes)
+from srv.plugins.quantization.gguf import (DENSE_FROM_ROWS, GGUFLinear, Q4_1Weight, Q8_0Weight, q4_1_weight,
+                                           q8_0_weight, quantized_weight)
 from test_sdk_testing import gguf_weight
 
 
@@ -18,23 +19,38 @@ def weight(kind: str, rows: int = 96, columns: int = 128, seed: int = 0) -> torc
     return gguf_weight(kind, rows, columns, torch.Generator().manual_seed(seed))
 
 
-def test_q4_1_blocks_rebuild_the_file_weights():
-    w = weight("Q4_1")
-    [(q, scale, zero)] = q4_1_planes(w)
-    assert q.min() >= 0 and q.max() <= 15 and torch.equal(q, q.round())
-    rebuilt = ((q - 8).view(96, -1, 32) * scale[..., None] + zero[..., None]).view_as(w)
-    assert torch.allclose(rebuilt, w, rtol=0, atol=1e-6)
-    assert q8_0_planes(w) is None
+def assert_products_match(quantized, w: torch.Tensor) -> None:
+    """The kernels' products equal float64 ones of the file's weights to float32 rounding, for
+    every row count (1 to 8 rows share one pass over the weights; 9 and 13 take two)."""
+    generator = torch.Generator().manual_seed(1)
+    for rows in (1, 2, 5, 8, 9, 13):
+        x = torch.randn(rows, w.shape[1], generator=generator)
+        reference = x.double() @ w.double().T
+        error = (quantized.matmul(x).double() - reference).abs().max() / reference.abs().max()
+        assert error < 1e-5, f"{rows} rows: relative error {error:.1e}"
 
 
-def test_q8_0_blocks_rebuild_the_file_weights_from_two_planes():
-    w = weight("Q8_0")
-    assert q4_1_planes(w) is None
-    rebuilt = torch.zeros_like(w)
-    for q, scale, zero in q8_0_planes(w):
-        assert q.min() >= 0 and q.max() <= 15
-        rebuilt += ((q - 8).view(96, -1, 32) * scale[..., None] + zero[..., None]).view_as(w)
-    assert torch.allclose(rebuilt, w, rtol=0, atol=1e-6)
+@pytest.mark.parametrize("columns", [128, 96, 32], ids=["pairs", "odd-blocks", "one-block"])
+def test_q4_1_blocks_compute_the_file_weights(columns):
+    w = weight("Q4_1", columns=columns)
+    quantized = q4_1_weight(w)
+    assert isinstance(quantized, Q4_1Weight) and q8_0_weight(w) is None
+    assert_products_match(quantized, w)
+
+
+@pytest.mark.parametrize("columns", [128, 96])
+def test_q8_0_blocks_compute_the_file_weights(columns):
+    w = weight("Q8_0", columns=columns)
+    quantized = q8_0_weight(w)
+    assert isinstance(quantized, Q8_0Weight) and q4_1_weight(w) is None
+    assert_products_match(quantized, w)
+
+
+def test_weights_recovered_in_slices_compute_the_whole_weight(monkeypatch):
+    monkeypatch.setattr("srv.plugins.quantization.gguf.ROWS_PER_SLICE", 40)
+    for kind in ("Q4_1", "Q8_0"):
+        w = weight(kind)
+        assert_products_match(quantized_weight(w), w)
 
 
 @pytest.mark.parametrize("w", [
@@ -43,21 +59,24 @@ def test_q8_0_blocks_rebuild_the_file_weights_from_two_planes():
     weight("Q4_1", 64, 128)[:, :100],                                 # rows not made of 32-value blocks
 ], ids=["float", "mixed", "ragged"])
 def test_weights_in_no_supported_format_stay_dense(w):
-    assert int4_planes(w) is None
+    assert quantized_weight(w) is None
 
 
-def test_small_batches_read_the_planes_and_large_ones_the_dense_copy():
-    dense = nn.Linear(128, 96, bias=False)
+@pytest.mark.parametrize("bias", [False, True])
+def test_small_batches_run_the_kernels_and_large_ones_the_dense_copy(bias):
+    dense = nn.Linear(128, 96, bias=bias)
     with torch.no_grad():
         dense.weight.copy_(weight("Q4_1"))
-    layer = GGUFLinear(int4_planes(dense.weight), dense)
+    layer = GGUFLinear(quantized_weight(dense.weight), dense)
     calls = []
     layer.dense.register_forward_hook(lambda *_: calls.append("dense"))
-    layer.planes[0].register_forward_hook(lambda *_: calls.append("planes"))
-    with torch.inference_mode():
-        layer(torch.randn(DENSE_FROM_ROWS - 1, 128))
-        layer(torch.randn(DENSE_FROM_ROWS, 128))
-    assert calls == ["planes", "dense"]
+    for rows in (DENSE_FROM_ROWS - 1, DENSE_FROM_ROWS):
+        x = torch.randn(rows, 128)
+        with torch.inference_mode():
+            expected = dense(x)
+            torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
+    # One call each to compute the expected products; only the large batch's layer call adds one.
+    assert calls == ["dense", "dense", "dense"]
 
 
 def test_default_model_serves_every_linear_layer_from_its_gguf_blocks():
@@ -66,7 +85,7 @@ def test_default_model_serves_every_linear_layer_from_its_gguf_blocks():
         config = engine.runner.config
         # Four projections per decoder layer (q/k/v and gate/up fused) and the vocabulary head.
         assert len(layers) == 4 * config.num_hidden_layers + 1
-        assert [len(m.planes) for m in layers].count(2) == 1   # the head: Q8_0 token embeddings
+        assert [type(m.weight) for m in layers].count(Q8_0Weight) == 1   # the head: Q8_0 token embeddings
         result = engine.generate("The capital of France is", {"max_new_tokens": 8, "temperature": 0})
         assert result["meta_info"]["completion_tokens"] == 8
 

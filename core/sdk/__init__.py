@@ -2,8 +2,8 @@
 
 A plugin imports from `srv.sdk` and nothing else of srv. Hook specs are in `hookspecs`,
 the data a plugin registers in `registration`, the base classes of each family in `attention`,
-`sampling`, `grammar`, `tools`, `cache`, `scheduling`, `models` and `quantization`, and the
-conformance kits in `testing`.
+`sampling`, `grammar`, `tools`, `cache`, `scheduling`, `models` and `quantization`, C kernels
+built on first use in `native`, and the conformance kits in `testing`.
 
 A plugin module states the SDK versions it works with as a version range, for example
 `SRV_SDK_VERSION = ">=0.1,<0.2"`; srv refuses to load it (and says why) when `API_VERSION`
@@ -16,6 +16,8 @@ from srv.sdk.registration import (
     Registration,
     all_of,
     always_available,
+    requires_c_compiler,
+    requires_cpu_flags,
     requires_cuda,
     requires_packages,
 )
@@ -31,6 +33,8 @@ __all__ = [
     "all_of",
     "always_available",
     "hookimpl",
+    "requires_c_compiler",
+    "requires_cpu_flags",
     "requires_cuda",
     "requires_packages",
 ]

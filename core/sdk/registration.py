@@ -51,6 +51,33 @@ def requires_cuda() -> Availability:
     return Availability.yes()
 
 
+def requires_cpu_flags(*flags: str) -> AvailabilityCheck:
+    """A check that passes when the CPU has every named feature (as /proc/cpuinfo spells it)."""
+
+    def check() -> Availability:
+        try:
+            with open("/proc/cpuinfo") as cpuinfo:
+                present = next((set(line.split(":", 1)[1].split()) for line in cpuinfo if line.startswith("flags")),
+                               set())
+        except OSError:
+            present = set()
+        missing = [f for f in flags if f not in present]
+        if missing:
+            return Availability.no("needs a CPU with " + ", ".join(missing) + " (not in /proc/cpuinfo)")
+        return Availability.yes()
+
+    return check
+
+
+def requires_c_compiler() -> Availability:
+    """Passes when `srv.sdk.native` can compile C kernels."""
+    from srv.sdk.native import compiler
+
+    if compiler() is None:
+        return Availability.no("needs a C compiler to build its kernels (set CC, or install cc, gcc or clang)")
+    return Availability.yes()
+
+
 def all_of(*checks: AvailabilityCheck) -> AvailabilityCheck:
     """A check that passes when every check passes; its reason joins the failing ones."""
 

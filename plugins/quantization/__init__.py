@@ -1,7 +1,7 @@
 """Built-in quantization plugin: `--quantization gguf`, a GGUF file's 4-bit and 8-bit weights
-computed by torch's CPU weight-only int4 kernel."""
+computed by srv's C kernels (AVX2), compiled on first use."""
 
-from srv.sdk import hookimpl
+from srv.sdk import all_of, hookimpl, requires_c_compiler, requires_cpu_flags
 
 SRV_SDK_VERSION = ">=0.1,<0.2"
 
@@ -9,5 +9,5 @@ SRV_SDK_VERSION = ">=0.1,<0.2"
 @hookimpl
 def srv_register_quantization_methods(register):
     register("gguf", "srv.plugins.quantization.gguf:GGUFQuantization",
-             description="a .gguf file's Q4_1 and Q8_0 weights as they are, on torch's int4 CPU kernel for "
-                         "batches under 32 rows", priority=10)
+             description="a .gguf file's Q4_1 and Q8_0 weights as they are, for batches under 16 rows",
+             available=all_of(requires_cpu_flags("avx2", "fma"), requires_c_compiler), priority=10)

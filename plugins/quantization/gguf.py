@@ -1,100 +1,148 @@
 """`--quantization gguf`: serve a GGUF file's 4-bit and 8-bit weights as they are in the file.
 
 The GGUF loader hands the model float weights dequantized from the file. Each linear layer's
-weights are checked block by block (32 values, as in the file) against the two formats torch's
-CPU weight-only int4 kernel can compute, and rebuilt as its 4-bit planes:
+weights are checked block by block (32 values, as in the file) against the two formats srv's
+kernels compute, and stored again in that format:
 
-- Q4_1: w = d * q + m, q in 0..15. The kernel computes (q - 8) * scale + zero, so scale = d
-  and zero = m + 8d.
-- Q8_0: w = d * q, q in -127..127. Split q + 128 = 16 * hi + lo into two 4-bit planes:
-  w = 16d * (hi - 8) + d * (lo - 8) + 8d, two int4 products whose sum is the layer's.
+- Q4_1: w = d * q + m, q in 0..15: 6 bits a weight with srv's float32 d and m.
+- Q8_0: w = d * q, q in -127..127: 9 bits a weight.
 
-The kernel takes bf16 scales and activations, so its products equal the file's to bf16
-precision. A layer whose weights fit neither format stays dense. Small batches (decode) read
-the 4-bit planes: one token's product is bound by the bytes read, 4.5 bits a weight instead of
-32 or 16. Larger batches are bound by arithmetic, where the served dtype's dense kernels are
-faster, so the layer keeps the loader's dense copy for them.
+A layer whose weights fit neither format stays dense. Batches under DENSE_FROM_ROWS rows
+(decode) go to the C kernels of gguf_kernels.c, which read the quantized bytes once for all
+rows and multiply them into float32 activations: those products are bound by the bytes read.
+Larger batches are bound by arithmetic, where the served dtype's dense kernels are faster, so
+the layer keeps the loader's dense copy for them.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from srv.sdk.native import load_c_library
 from srv.sdk.quantization import QuantizationMethod
 
 GROUP = 32
-# Rows times planes from which the dense copy is used. Measured on AVX2 (SmolLM2's shapes): the
-# int4 kernel reads 4x fewer bytes but computes more slowly, and a float32 product whose weight
-# comes from DRAM overtakes one int4 plane at about 16 rows (decode steps, in the model).
+# Rows from which the dense copy computes the product. Measured on AVX2 (SmolLM2's shapes, one
+# decode step of the model): see BENCHMARKS.md.
 DENSE_FROM_ROWS = 16
 ROWS_PER_SLICE = 1024
 # Recovered blocks must rebuild the file's values to float32 rounding.
 TOLERANCE = 1e-6
+KERNEL_FLAGS = ("-mavx2", "-mfma")
 
 
-class Int4Plane(nn.Module):
-    """One weight in torch's int4-packed layout with its per-block scale and zero."""
+@functools.cache
+def kernels() -> ctypes.CDLL:
+    library = load_c_library(Path(__file__).with_name("gguf_kernels.c"), KERNEL_FLAGS)
+    pointer, size = ctypes.c_void_p, ctypes.c_int64
+    library.srv_q4_1_matmul.argtypes = [pointer, size, size, pointer, pointer, pointer, size, pointer, pointer]
+    library.srv_q8_0_matmul.argtypes = [pointer, size, size, pointer, pointer, size, pointer]
+    return library
 
-    def __init__(self, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> None:
-        super().__init__()
-        # Plain attributes, not buffers: casting the model to the served dtype must leave them.
-        self.packed = packed
-        # [K / GROUP, N, 2], the kernel's layout, in bf16: its fast activation dtype on CPU.
-        self.scales_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_zeros)
+class Q4_1Weight:
+    """nibbles [N, ceil(K / 64), 32] uint8 (pairs of blocks, laid out as gguf_kernels.c reads
+    them), scale and min [N, K / 32] float32."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, min: torch.Tensor) -> None:
+        n, k = q.shape
+        pairs = -(-k // (2 * GROUP))
+        # Lane l (4 bytes) of a pair holds its weights 8s + l as nibble s: byte b of the lane
+        # is nibble 2b (low) and 2b + 1 (high). An odd last block is paired with zeros.
+        padded = q.new_zeros(n, pairs * 2 * GROUP, dtype=torch.uint8)
+        padded[:, :k] = q
+        lanes = padded.view(n, pairs, 8, 8).transpose(-1, -2)
+        self.nibbles = (lanes[..., 0::2] | (lanes[..., 1::2] << 4)).contiguous()
+        self.scale, self.min = scale.float().contiguous(), min.float().contiguous()
+        self.out_features, self.in_features = n, k
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        y = x.new_empty(rows, self.out_features)
+        sums = x.new_empty(rows, self.in_features // GROUP)
+        kernels().srv_q4_1_matmul(x.data_ptr(), rows, self.in_features, self.nibbles.data_ptr(),
+                                  self.scale.data_ptr(), self.min.data_ptr(), self.out_features, y.data_ptr(),
+                                  sums.data_ptr())
+        return y
+
+    @staticmethod
+    def cat(parts: list[Q4_1Weight]) -> Q4_1Weight:
+        weight = Q4_1Weight.__new__(Q4_1Weight)
+        weight.nibbles = torch.cat([p.nibbles for p in parts])
+        weight.scale, weight.min = torch.cat([p.scale for p in parts]), torch.cat([p.min for p in parts])
+        weight.out_features, weight.in_features = weight.nibbles.shape[0], parts[0].in_features
+        return weight
+
+
+class Q8_0Weight:
+    """values [N, K / 32, 32] int8 (byte s of lane l is the block's weight 8s + l), scale
+    [N, K / 32] float32."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor) -> None:
+        n, k = q.shape
+        self.values = q.to(torch.int8).view(n, k // GROUP, 4, 8).transpose(-1, -2).contiguous()
+        self.scale = scale.float().contiguous()
+        self.out_features, self.in_features = n, k
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.new_empty(x.shape[0], self.out_features)
+        kernels().srv_q8_0_matmul(x.data_ptr(), x.shape[0], self.in_features, self.values.data_ptr(),
+                                  self.scale.data_ptr(), self.out_features, y.data_ptr())
+        return y
+
+    @staticmethod
+    def cat(parts: list[Q8_0Weight]) -> Q8_0Weight:
+        weight = Q8_0Weight.__new__(Q8_0Weight)
+        weight.values, weight.scale = torch.cat([p.values for p in parts]), torch.cat([p.scale for p in parts])
+        weight.out_features, weight.in_features = weight.values.shape[0], parts[0].in_features
+        return weight
+
+
+QuantizedWeight = Q4_1Weight | Q8_0Weight
 
 
 class GGUFLinear(nn.Module):
-    def __init__(self, planes: list[Int4Plane], dense: nn.Linear) -> None:
+    def __init__(self, weight: QuantizedWeight, dense: nn.Linear) -> None:
         super().__init__()
-        self.planes = nn.ModuleList(planes)
+        # A plain attribute, not a buffer: casting the model to the served dtype must leave it.
+        self.weight = weight
         self.dense = dense
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
-        if rows * len(self.planes) >= DENSE_FROM_ROWS:
+        if rows >= DENSE_FROM_ROWS:
             return self.dense(x)
-        flat = x.reshape(rows, x.shape[-1]).to(torch.bfloat16)
-        out = self.planes[0](flat)
-        for plane in self.planes[1:]:
-            out = out + plane(flat)
+        out = self.weight.matmul(x.reshape(rows, x.shape[-1]).float().contiguous())
         if self.dense.bias is not None:
-            out = out + self.dense.bias
+            out += self.dense.bias
         return out.to(x.dtype).view(*x.shape[:-1], out.shape[-1])
 
 
-# (q in 0..15, scale, zero) of each int4 product whose sum is a layer's weight.
-Planes = list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-
-
-def q4_1_planes(weight: torch.Tensor) -> Planes | None:
-    """Q4_1: weight == d * q + m block by block, one plane; None if the weight is not Q4_1."""
+def q4_1_weight(weight: torch.Tensor) -> Q4_1Weight | None:
+    """Q4_1: weight == d * q + m block by block; None if the weight is not Q4_1."""
     blocks = weight.float().view(weight.shape[0], -1, GROUP)
     low, high = blocks.amin(-1, keepdim=True), blocks.amax(-1, keepdim=True)
     d = (high - low) / 15
     q = blocks.sub(low).div_(torch.where(d > 0, d, 1.0)).round_().clamp_(0, 15)
     if not _rebuilds(blocks, q.mul(d).add_(low), torch.maximum(low.abs(), high.abs())):
         return None
-    d, low = d.squeeze(-1), low.squeeze(-1)
-    return [(q.view_as(weight), d, low + 8 * d)]
+    return Q4_1Weight(q.view_as(weight), d.squeeze(-1), low.squeeze(-1))
 
 
-def q8_0_planes(weight: torch.Tensor) -> Planes | None:
-    """Q8_0: weight == d * q block by block, two planes; None if the weight is not Q8_0."""
+def q8_0_weight(weight: torch.Tensor) -> Q8_0Weight | None:
+    """Q8_0: weight == d * q block by block; None if the weight is not Q8_0."""
     blocks = weight.float().view(weight.shape[0], -1, GROUP)
     largest = blocks.abs().amax(-1, keepdim=True)
     d = largest / 127
     q = blocks.div(torch.where(d > 0, d, 1.0)).round_().clamp_(-127, 127)
     if not _rebuilds(blocks, q.mul(d), largest):
         return None
-    shifted = q.view_as(weight).to(torch.int32).add_(128)
-    d = d.squeeze(-1)
-    return [(shifted >> 4, 16 * d, 8 * d), (shifted & 15, d, torch.zeros_like(d))]
+    return Q8_0Weight(q.view_as(weight), d.squeeze(-1))
 
 
 def _rebuilds(blocks: torch.Tensor, rebuilt: torch.Tensor, largest: torch.Tensor) -> bool:
@@ -103,25 +151,23 @@ def _rebuilds(blocks: torch.Tensor, rebuilt: torch.Tensor, largest: torch.Tensor
     return bool((error <= TOLERANCE * largest).all())
 
 
-def int4_planes(weight: torch.Tensor) -> list[Int4Plane] | None:
-    """The weight's planes in the first format every block fits, or None.
+def quantized_weight(weight: torch.Tensor) -> QuantizedWeight | None:
+    """The weight in the first format every block fits, or None.
 
-    Works through slices of rows (torch's int4 packing is row by row): small temporaries the
-    allocator reuses, where one pass over a whole vocabulary head spends most of its time
-    faulting in fresh pages.
+    Works through slices of rows: small temporaries the allocator reuses, where one pass over a
+    whole vocabulary head spends most of its time faulting in fresh pages.
     """
     if weight.shape[1] % GROUP:
         return None
-    for planes_of in (q4_1_planes, q8_0_planes):
-        slices = []
+    for fmt, recover in ((Q4_1Weight, q4_1_weight), (Q8_0Weight, q8_0_weight)):
+        parts = []
         for rows in weight.split(ROWS_PER_SLICE):
-            planes = planes_of(rows)
-            if planes is None:
+            part = recover(rows)
+            if part is None:
                 break
-            slices.append([(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1), scale, zero)
-                           for q, scale, zero in planes])
+            parts.append(part)
         else:
-            return [Int4Plane(*(torch.cat(parts) for parts in zip(*plane))) for plane in zip(*slices)]
+            return fmt.cat(parts)
     return None
 
 
@@ -129,7 +175,8 @@ class GGUFQuantization(QuantizationMethod):
     def check(self, model_path: str) -> None:
         if Path(model_path).suffix != ".gguf":
             raise ValueError(f"--quantization gguf serves a .gguf file's own weights; {model_path} is not one")
+        kernels()   # a compiler error now, at launch, rather than at the first request
 
     def quantize(self, name: str, linear: nn.Linear) -> nn.Module | None:
-        planes = int4_planes(linear.weight.detach())
-        return None if planes is None else GGUFLinear(planes, linear)
+        weight = quantized_weight(linear.weight.detach())
+        return None if weight is None else GGUFLinear(weight, linear)
