@@ -10,7 +10,7 @@ from srv.sdk import API_VERSION, hookspecs
 
 MARKER = "<!-- Everything below is generated from the code by `make docs`. -->"
 MODULES = ["srv.sdk.registration", "srv.sdk.attention", "srv.sdk.sampling", "srv.sdk.grammar", "srv.sdk.tools",
-           "srv.sdk.cache", "srv.sdk.scheduling", "srv.sdk.models", "srv.sdk.quantization",
+           "srv.sdk.cache", "srv.sdk.scheduling", "srv.sdk.models", "srv.sdk.quantization", "srv.sdk.native",
            "srv.sdk.testing"]
 
 
