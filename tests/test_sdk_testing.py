@@ -234,8 +234,8 @@ def test_attention_kit_passes_a_correct_loop_and_fails_broken_ones():
     forgetful.test_ragged_batches_match_reference("mixed")  # its outputs are right...
     assert "not stored at out_cache_loc" in assert_kit_fails(forgetful.test_forward_stores_new_kv_at_out_cache_loc)
     stale = kit(AttentionBackendKit, backend_factory=StaleMetadataAttention)
-    # the first batch's mask does not fit the second: the backend crashes (pytest: failed)
-    assert_kit_fails(stale.test_prepare_once_then_layers_and_batches_reuse_one_backend, error=RuntimeError)
+    # the first (mixed) batch's metadata does not fit the second (decode): the backend crashes
+    assert_kit_fails(stale.test_prepare_once_then_layers_and_batches_reuse_one_backend, error=ValueError)
 
 
 class SeedlessSampler(PyTorchSampler):

@@ -1,6 +1,6 @@
 """Attention backends (`--attention-backend`, `--prefill-attention-backend`, `--decode-attention-backend`)."""
 
-from srv.sdk import hookimpl
+from srv.sdk import all_of, hookimpl, requires_c_compiler, requires_cpu_flags
 
 SRV_SDK_VERSION = ">=0.1,<0.2"
 
@@ -10,5 +10,6 @@ def srv_register_attention_backends(register):
     register("torch_native", "srv.plugins.attention.torch_native:TorchNativeAttention",
              description="reference: one SDPA per request over its gathered KV cache")
     register("intel_amx", "srv.plugins.attention.padded_sdpa:PaddedSDPAAttention",
-             description="batched CPU backend: the ragged batch as one padded SDPA (bf16 runs on AMX via oneDNN)",
-             priority=10)
+             description="batched CPU backend: prefill as one padded SDPA (bf16 on AMX via oneDNN), decode "
+                         "in a C kernel reading the KV cache in place",
+             available=all_of(requires_cpu_flags("avx2", "fma", "f16c"), requires_c_compiler), priority=10)

@@ -1,20 +1,55 @@
-"""A batched CPU backend: the whole ragged batch as one padded scaled-dot-product attention.
+"""A batched CPU backend (`intel_amx`, SGLang's name for its CPU backend).
 
-Queries are padded to the longest extend and keys to the longest sequence; one boolean mask
-carries causality and the padding, so prefill chunks and decode steps mix in one call with no
-Python loop per request. In bfloat16, torch runs it on oneDNN (AMX on CPUs that have it).
+Prefill: the whole ragged batch as one padded scaled-dot-product attention. Queries are padded
+to the longest extend and keys to the longest sequence; one boolean mask carries causality and
+the padding, so prefill chunks and decode steps mix in one call with no Python loop per
+request. In bfloat16, torch runs it on oneDNN (AMX on CPUs that have it).
+
+Decode (one new token a request): the C kernel of decode_attention.c reads each request's keys
+and values in place through its slot table, one call a layer for the whole batch. Gathering
+the cache into padded tensors and running two batched matmuls took most of a decode step's
+attention time, and grew with every token of context.
 """
 
 from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
 
 import torch
 from torch.nn import functional as F
 
 from srv.sdk.attention import AttentionBackend, ForwardBatch
+from srv.sdk.native import load_c_library
+
+KV_FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# The kernel's fixed per-thread buffers: query heads per KV head, and head size.
+MAX_GROUP, MAX_HEAD_DIM = 16, 256
+
+
+@functools.cache
+def kernels() -> ctypes.CDLL:
+    library = load_c_library(Path(__file__).with_name("decode_attention.c"), ("-mavx2", "-mfma", "-mf16c", "-lm"))
+    pointer, size = ctypes.c_void_p, ctypes.c_int64
+    library.srv_decode_attention.argtypes = [pointer, pointer, pointer, ctypes.c_int, pointer, size, pointer, size,
+                                             size, size, size, ctypes.c_float, pointer]
+    return library
 
 
 class PaddedSDPAAttention(AttentionBackend):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, scale)
+        if num_heads // num_kv_heads > MAX_GROUP or head_dim > MAX_HEAD_DIM:
+            raise ValueError(f"intel_amx decodes up to {MAX_GROUP} query heads a KV head and head size "
+                             f"{MAX_HEAD_DIM}; this model has {num_heads // num_kv_heads} and {head_dim}")
+        kernels()   # a compiler error now, at launch, rather than at the first decode step
+
     def prepare(self, batch: ForwardBatch) -> None:
+        if batch.is_decode:
+            seq_lens = torch.tensor(batch.prefix_lens) + 1
+            batch.metadata["padded_sdpa"] = (seq_lens, batch.kv_slots.to(torch.int64).contiguous())
+            return
         extend = torch.tensor(batch.extend_lens)
         prefix = torch.tensor(batch.prefix_lens)
         max_extend, max_seq = int(extend.max()), batch.kv_slots.shape[1]
@@ -35,26 +70,24 @@ class PaddedSDPAAttention(AttentionBackend):
         return rows.view(*slots.shape, self.num_kv_heads, self.head_dim).transpose(1, 2).to(dtype).contiguous()
 
     def attend(self, q: torch.Tensor, layer_id: int, batch: ForwardBatch) -> torch.Tensor:
+        if batch.is_decode:
+            return self._decode(q, layer_id, batch)
         mask, valid_query, max_extend = batch.metadata["padded_sdpa"]
         k = self._gather(batch.kv_cache.k_buffers[layer_id], batch, q.dtype)
         v = self._gather(batch.kv_cache.v_buffers[layer_id], batch, q.dtype)
-        if batch.is_decode:
-            return self._decode(q, k, v, mask)
         qp = q.new_zeros(batch.batch_size, max_extend, self.num_heads, self.head_dim)
         qp[valid_query] = q
         out = F.scaled_dot_product_attention(qp.transpose(1, 2), k, v, attn_mask=mask, scale=self.scale,
                                              enable_gqa=self.num_heads != self.num_kv_heads)
         return out.transpose(1, 2)[valid_query]
 
-    def _decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """One query per request: each KV head's query group against its keys as one batched
-        matmul. CPU SDPA kernels spend far longer than this on a single query row."""
-        batch_size, seq_len = k.shape[0], k.shape[2]
-        group = self.num_heads // self.num_kv_heads
-        k = k.view(-1, seq_len, self.head_dim)                                        # [B*KVH, K, D]
-        v = v.view(-1, seq_len, self.head_dim)
-        scores = torch.bmm(q.reshape(-1, group, self.head_dim), k.transpose(1, 2)).float()
-        scores = scores.view(batch_size, self.num_kv_heads, group, seq_len) * self.scale
-        scores.masked_fill_(~mask, float("-inf"))
-        probs = scores.softmax(-1).to(q.dtype).view(-1, group, seq_len)
-        return torch.bmm(probs, v).view(batch_size, self.num_heads, self.head_dim)
+    def _decode(self, q: torch.Tensor, layer_id: int, batch: ForwardBatch) -> torch.Tensor:
+        seq_lens, slots = batch.metadata["padded_sdpa"]
+        k_cache, v_cache = batch.kv_cache.k_buffers[layer_id], batch.kv_cache.v_buffers[layer_id]
+        query = q.float().contiguous()
+        out = torch.empty_like(query)
+        kernels().srv_decode_attention(query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                                       KV_FORMATS[k_cache.dtype], slots.data_ptr(), slots.stride(0),
+                                       seq_lens.data_ptr(), batch.batch_size, self.num_heads, self.num_kv_heads,
+                                       self.head_dim, self.scale, out.data_ptr())
+        return out.to(q.dtype)

@@ -113,7 +113,8 @@ class AttentionBackendKit:
     backend_factory: Callable[..., AttentionBackend] | None = None
     reference_name: str = "torch_native"
     tolerances: dict[torch.dtype, tuple[float, float]] = {torch.float32: (1e-5, 1e-5),
-                                                          torch.bfloat16: (2e-2, 2e-2)}
+                                                          torch.bfloat16: (2e-2, 2e-2),
+                                                          torch.float16: (5e-3, 5e-3)}
 
     def make_backend(self, num_heads: int, num_kv_heads: int, head_dim: int) -> AttentionBackend:
         return create(self, "attention", "backend_name", "backend_factory",
@@ -141,13 +142,15 @@ class AttentionBackendKit:
     def test_ragged_batches_match_reference(self, kind: str) -> None:
         self.assert_matches_reference(make_case(*BATCHES[kind], seed=len(kind)))
 
-    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-    @pytest.mark.parametrize("head_dim", [64, 128])
+    @pytest.mark.parametrize("kind", ["mixed", "decode"])
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
+                             ids=["float32", "bfloat16", "float16"])
+    @pytest.mark.parametrize("head_dim", [64, 128, 20])
     @pytest.mark.parametrize("heads", [(4, 4), (8, 2)], ids=["mha", "gqa"])
     @pytest.mark.parametrize("page_size", [1, 16])
     def test_layouts_match_reference(self, page_size: int, heads: tuple[int, int], head_dim: int,
-                                     dtype: torch.dtype) -> None:
-        self.assert_matches_reference(make_case(*BATCHES["mixed"], *heads, head_dim=head_dim, dtype=dtype,
+                                     dtype: torch.dtype, kind: str) -> None:
+        self.assert_matches_reference(make_case(*BATCHES[kind], *heads, head_dim=head_dim, dtype=dtype,
                                                 page_size=page_size, seed=page_size + head_dim))
 
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
