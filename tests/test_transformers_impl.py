@@ -10,6 +10,7 @@ import torch
 
 from srv.engine.default_model import default_model_path
 from srv.plugin_manager import load_plugins
+from srv.sdk.models import materialize
 from test_engine import GREEDY, assert_all_kv_returned, assert_matches_hf, make_engine, random_prompts
 
 ATTENTION_BACKENDS = load_plugins()[1].names("attention")
@@ -76,7 +77,7 @@ def build_as_the_runner_does(config):
 
     with torch.device("meta"):
         model = TransformersModel(config)
-    return model.to_empty(device="cpu")
+    return materialize(model)
 
 
 @pytest.fixture(scope="module")

@@ -10,19 +10,20 @@ another thread. The HTTP server uses the same front end with the scheduler in it
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import queue
 import threading
 from argparse import Namespace
-from typing import Any, AsyncIterator, Coroutine, Iterator
+from pathlib import Path
+from typing import Any, AsyncIterator, Callable, Coroutine, Iterator
 
 import torch
 
 from srv.args.parser import build_launch_parser, check_launch_args, options_to_argv
 from srv.backend_registry import BackendRegistry
 from srv.engine.frontend import Frontend
-from srv.engine.grammar import GrammarCompiler
 from srv.engine.model_runner import ModelRunner
 from srv.engine.request_state import RequestState
 from srv.engine.scheduler import Scheduler
@@ -190,17 +191,16 @@ def _checked(state: RequestState) -> RequestState:
     return state
 
 
-def build_scheduler(args: Namespace, registry: BackendRegistry) -> tuple[ModelRunner, Scheduler]:
-    """Model, KV memory and scheduler for `args`, with the tokenizer the scheduler's stop
-    strings need (None under --skip-tokenizer-init)."""
+def build_scheduler(args: Namespace, registry: BackendRegistry,
+                    on_model_dir: Callable[[Path], None] | None = None) -> tuple[ModelRunner, Scheduler]:
+    """Model, KV memory and scheduler for `args`; `on_model_dir` hears of the model directory
+    before the weights load. The tokenizer loads later (see Scheduler.set_tokenizer_loader)."""
     choose_torch_threads()
     if args.random_seed is not None:
         # Unseeded sampling draws from torch's global generator: --random-seed fixes it.
         torch.manual_seed(args.random_seed)
-    runner = ModelRunner(args, registry)
+    runner = ModelRunner(args, registry, on_model_dir=on_model_dir)
     scheduler = Scheduler(args, runner, registry)
-    scheduler.tokenizer = None if args.skip_tokenizer_init else load_tokenizer(args, str(runner.model_dir))
-    if scheduler.tokenizer is not None:
-        scheduler.grammars = GrammarCompiler(args, registry, scheduler.tokenizer, runner.config.vocab_size,
-                                             scheduler.eos_ids)
+    if not args.skip_tokenizer_init:
+        scheduler.set_tokenizer_loader(functools.partial(load_tokenizer, args, str(runner.model_dir)))
     return runner, scheduler

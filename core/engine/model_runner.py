@@ -8,14 +8,14 @@ import os
 import time
 from argparse import Namespace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from srv.backend_registry import AUTO, BackendRegistry, BackendUnavailable
 from srv.engine.default_model import default_model_path
 from srv.sdk.attention import AttentionBackend, ForwardBatch, KVCache
-from srv.sdk.models import ModelImpl, ModelLoader
+from srv.sdk.models import ModelConfig, ModelImpl, ModelLoader, materialize
 
 logger = logging.getLogger("srv.engine")
 
@@ -35,13 +35,17 @@ def served_dtype(name: str) -> torch.dtype:
 
 
 class ModelRunner:
-    def __init__(self, args: Namespace, registry: BackendRegistry) -> None:
+    def __init__(self, args: Namespace, registry: BackendRegistry,
+                 on_model_dir: Callable[[Path], None] | None = None) -> None:
+        """`on_model_dir` is called with the prepared model directory before the weights load."""
         self.args, self.registry = args, registry
         self.dtype = served_dtype(args.dtype)
         path = Path(args.model_path) if args.model_path else default_model_path()
         loader = self._choose_loader(path)
         started = time.monotonic()
         self.model_dir = loader.prepare(path)
+        if on_model_dir is not None:
+            on_model_dir(self.model_dir)
         self.config = self._load_config()
         impl, self.model = self._build_model()
         loader.load(self.model, self.model_dir)
@@ -77,14 +81,8 @@ class ModelRunner:
         names = ", ".join(self.registry.names("load_format"))
         raise BackendUnavailable(f"no --load-format recognises {path} (installed: {names})")
 
-    def _load_config(self) -> Any:
-        from transformers import AutoConfig
-
-        config = AutoConfig.from_pretrained(str(self.model_dir))
-        overrides = json.loads(self.args.json_model_override_args or "{}")
-        for key, value in overrides.items():
-            setattr(config, key, value)
-        return config
+    def _load_config(self) -> ModelConfig:
+        return ModelConfig.read(self.model_dir, json.loads(self.args.json_model_override_args or "{}"))
 
     def _build_model(self) -> tuple[ModelImpl, torch.nn.Module]:
         impls = self.registry
@@ -103,7 +101,7 @@ class ModelRunner:
         # Build without initialising: every parameter is about to be overwritten by the loader.
         with torch.device("meta"):
             model = impl.build(self.config)
-        return impl, model.to_empty(device="cpu")
+        return impl, materialize(model)
 
     def _attention(self, name: str | None) -> AttentionBackend:
         registration = self.registry.choose("attention", name)

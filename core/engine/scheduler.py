@@ -8,10 +8,14 @@ only in the step whose input reaches the end of everything it knows.
 
 from __future__ import annotations
 
+import functools
 import logging
+import threading
 import time
 from argparse import Namespace
+from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
@@ -50,10 +54,25 @@ class SchedulerStats:
     decode_steps: int = 0
 
 
+def in_background(function: Callable[[], Any]) -> Future[Any]:
+    """Run `function()` in a daemon thread; its result or exception lands in the future."""
+    future: Future[Any] = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(function())
+        except BaseException as exc:
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name="srv-background", daemon=True).start()
+    return future
+
+
 class Scheduler:
     def __init__(self, args: Namespace, runner: ModelRunner, registry: BackendRegistry) -> None:
-        self.args, self.runner = args, runner
-        self.tokenizer = None
+        self.args, self.runner, self.registry = args, runner, registry
+        self._tokenizer: Future[Any] | None = None
+        self._load_tokenizer: Callable[[], Any] | None = None
         page_size = args.page_size
         capacity = runner.kv_capacity_tokens()
         self.allocator = PagedSlotAllocator(capacity // page_size + 1, page_size)
@@ -78,7 +97,28 @@ class Scheduler:
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.stats = SchedulerStats()
-        self.grammars: GrammarCompiler | None = None   # set with the tokenizer, by build_scheduler
+
+    def set_tokenizer_loader(self, load: Callable[[], Any] | None) -> None:
+        """How to load the tokenizer stop strings and grammars need (None under
+        --skip-tokenizer-init). Importing transformers takes seconds, so it is not loaded now:
+        the scheduler loop starts loading it in the background once it is idle, and a first use
+        before that waits for it."""
+        self._load_tokenizer = load
+
+    def start_loading_tokenizer(self) -> None:
+        if self._tokenizer is None and self._load_tokenizer is not None:
+            self._tokenizer = in_background(self._load_tokenizer)
+
+    @property
+    def tokenizer(self) -> Any:
+        self.start_loading_tokenizer()
+        return None if self._tokenizer is None else self._tokenizer.result()
+
+    @functools.cached_property
+    def grammars(self) -> GrammarCompiler | None:
+        if self.tokenizer is None:
+            return None
+        return GrammarCompiler(self.args, self.registry, self.tokenizer, self.runner.config.vocab_size, self.eos_ids)
 
     @staticmethod
     def _eos_ids(runner: ModelRunner) -> list[int]:

@@ -3,11 +3,66 @@ implementations (`--model-impl`)."""
 
 from __future__ import annotations
 
+import json
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
+
+
+class ModelConfig:
+    """A model directory's config.json as attributes (`config.hidden_size`), with
+    `--json-model-override-args` applied: what model implementations are handed.
+
+    Read without transformers, whose import takes seconds of every launch. An attribute the
+    file lacks raises AttributeError, so `getattr(config, name, default)` gives the default.
+    Implementations built on transformers call `hf()` for its config object.
+    """
+
+    def __init__(self, values: dict[str, Any], model_dir: Path | None = None,
+                 overrides: dict[str, Any] | None = None) -> None:
+        self._values = {**values, **(overrides or {})}
+        self._model_dir, self._overrides = model_dir, dict(overrides or {})
+        self._hf: Any = None
+
+    @classmethod
+    def read(cls, model_dir: Path | str, overrides: dict[str, Any] | None = None) -> ModelConfig:
+        model_dir = Path(model_dir)
+        return cls(json.loads((model_dir / "config.json").read_text()), model_dir, overrides)
+
+    def __getattr__(self, name: str) -> Any:
+        values = self.__dict__.get("_values", {})
+        if name in values:
+            return values[name]
+        raise AttributeError(f"config.json has no {name!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self._values)
+
+    def hf(self) -> Any:
+        """transformers' config for the same directory and overrides (imported on first call)."""
+        if self._hf is None:
+            from transformers import AutoConfig
+
+            if self._model_dir is None:
+                raise ValueError("this ModelConfig was not read from a model directory")
+            self._hf = AutoConfig.from_pretrained(str(self._model_dir))
+            for key, value in self._overrides.items():
+                setattr(self._hf, key, value)
+        return self._hf
+
+    def __repr__(self) -> str:
+        return f"ModelConfig({self._model_dir}, architectures={self._values.get('architectures')})"
+
+
+def materialize(model: nn.Module) -> nn.Module:
+    """Give a model built on the meta device empty CPU storage, for a loader to fill.
+
+    `Module.to_empty` does the same through torch's Python reference of `empty_like`, whose
+    first call imports sympy: half a second of every launch."""
+    return model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype))
 
 
 class ModelLoader(ABC):
@@ -44,11 +99,11 @@ class ModelImpl(ABC):
         self.server_args = server_args
 
     @abstractmethod
-    def supports(self, config: Any) -> bool:
+    def supports(self, config: ModelConfig) -> bool:
         ...
 
     @abstractmethod
-    def build(self, config: Any) -> nn.Module:
+    def build(self, config: ModelConfig) -> nn.Module:
         ...
 
     def finalize(self, model: nn.Module) -> None:

@@ -32,6 +32,12 @@ logger = logging.getLogger("srv.scheduler_process")
 
 
 @dataclass
+class ModelDirKnown:
+    """Sent before the weights load: the front end loads the tokenizer from it meanwhile."""
+    model_dir: str
+
+
+@dataclass
 class SchedulerReady:
     model_dir: str
     context_len: int
@@ -51,6 +57,7 @@ class Shutdown:
 def run_scheduler_process(args: Namespace, requests_addr: str, outputs_addr: str) -> None:
     """Entry point of the child process."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logger.info("scheduler process %d started", os.getpid())
     install_gc_warning(args.gc_warning_threshold_secs)
     threading.Thread(target=_exit_with_parent, args=(os.getppid(),), name="srv-parent-watch", daemon=True).start()
     context = zmq.Context()
@@ -63,7 +70,8 @@ def run_scheduler_process(args: Namespace, requests_addr: str, outputs_addr: str
         from srv.engine.scheduler_loop import SchedulerLoop
         from srv.plugin_manager import load_plugins
 
-        runner, scheduler = build_scheduler(args, load_plugins()[1])
+        runner, scheduler = build_scheduler(args, load_plugins()[1],
+                                            lambda model_dir: outputs.send_pyobj(ModelDirKnown(str(model_dir))))
     except Exception as exc:
         logger.exception("the scheduler could not start")
         outputs.send_pyobj(SchedulerFailed(f"{type(exc).__name__}: {exc}"))
@@ -89,6 +97,8 @@ def run_scheduler_process(args: Namespace, requests_addr: str, outputs_addr: str
                 return
             outs += loop.handle(message)
             timeout = 0
+        if timeout:   # 100 ms without work or messages
+            scheduler.start_loading_tokenizer()
         with watchdog:
             outs += loop.step()
         if outs:
@@ -149,26 +159,35 @@ class SchedulerProcess:
     async def start(self) -> Frontend:
         self.process.start()
         if not self.args.skip_tokenizer_init:
-            # Importing transformers' tokenizers takes about a second: done on the other core
-            # while the scheduler process loads the model, not after.
+            # Importing transformers' tokenizers takes seconds: done on the other core while
+            # the scheduler process imports torch, not after.
             threading.Thread(target=_import_tokenizer_modules, name="srv-tokenizer-import", daemon=True).start()
-        first = asyncio.ensure_future(self._outputs.recv_pyobj())
-        while not first.done():
-            await asyncio.wait({first}, timeout=0.2)
-            if not first.done() and not self.process.is_alive():
-                first.cancel()
-                raise RuntimeError(f"the scheduler process exited with code {self.process.exitcode} while starting")
-        message = first.result()
+        tokenizer: asyncio.Future | None = None
+        message = await self._next_message()
+        if isinstance(message, ModelDirKnown):
+            if not self.args.skip_tokenizer_init:
+                tokenizer = asyncio.ensure_future(asyncio.to_thread(load_tokenizer, self.args, message.model_dir))
+            message = await self._next_message()
         if isinstance(message, SchedulerFailed):
             raise RuntimeError(f"the scheduler could not start: {message.error}")
         self.ready = message
-        tokenizer = None if self.args.skip_tokenizer_init else load_tokenizer(self.args, message.model_dir)
+        tokenizer = None if tokenizer is None else await tokenizer
         grammars = None if tokenizer is None else GrammarCompiler(
             self.args, self.registry, tokenizer, message.vocab_size, message.model_info["eos_token_ids"])
         self.frontend = Frontend(self._requests.send_pyobj, tokenizer, self.args, message.context_len,
                                  message.model_dir, grammars)
         self._tasks = [asyncio.create_task(self._receive()), asyncio.create_task(self._watch())]
         return self.frontend
+
+    async def _next_message(self) -> Any:
+        """The scheduler process's next message while it starts; raises if it exits first."""
+        message = asyncio.ensure_future(self._outputs.recv_pyobj())
+        while not message.done():
+            await asyncio.wait({message}, timeout=0.2)
+            if not message.done() and not self.process.is_alive():
+                message.cancel()
+                raise RuntimeError(f"the scheduler process exited with code {self.process.exitcode} while starting")
+        return message.result()
 
     async def _receive(self) -> None:
         while True:

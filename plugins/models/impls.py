@@ -2,20 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-from srv.sdk.models import ModelImpl
+from srv.sdk.models import ModelConfig, ModelImpl
 
 
 class NativeModels(ModelImpl):
     """srv's own implementations of the Llama family (Llama, SmolLM2, Qwen2, Qwen3)."""
 
-    def supports(self, config: Any) -> bool:
+    def supports(self, config: ModelConfig) -> bool:
         from srv.plugins.models.llama import supports
 
         return supports(config)
 
-    def build(self, config: Any):
+    def build(self, config: ModelConfig):
         from srv.plugins.models.llama import LlamaForCausalLM
 
         return LlamaForCausalLM(config)
@@ -29,12 +27,12 @@ class NativeModels(ModelImpl):
 class TransformersModels(ModelImpl):
     """Any Hugging Face causal LM, as transformers builds it, with its attention on srv's KV cache."""
 
-    def supports(self, config: Any) -> bool:
+    def supports(self, config: ModelConfig) -> bool:
         from srv.plugins.models.transformers_impl import supports
 
-        return supports(config)
+        return supports(config.hf())
 
-    def build(self, config: Any):
+    def build(self, config: ModelConfig):
         from srv.plugins.models.transformers_impl import TransformersModel
 
-        return TransformersModel(config)
+        return TransformersModel(config.hf())

@@ -68,8 +68,8 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
         self.qk_norm = config.model_type == "qwen3"
         if self.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.q_norm = RMSNorm(self.head_dim, norm_eps(config))
+            self.k_norm = RMSNorm(self.head_dim, norm_eps(config))
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch) -> torch.Tensor:
         qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
@@ -101,8 +101,8 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(config, layer_id)
         self.mlp = MLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, norm_eps(config))
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, norm_eps(config))
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rotary, batch)
@@ -119,9 +119,12 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: Any) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # Given its (empty) weight: Embedding's own random init, on the meta device, imports
+        # torch._dynamo, a second of every launch.
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                         _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, norm_eps(config))
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         # A tied head gets its own copy of the embedding matrix when the weights load: no shared
         # Parameter to re-tie after the model is materialised from the meta device, and the head
@@ -178,6 +181,10 @@ def rope_settings(config: Any) -> tuple[float, dict[str, Any] | None]:
     parameters = getattr(config, "rope_parameters", None) or {}
     theta = parameters.get("rope_theta") or getattr(config, "rope_theta", None) or 10000.0
     return float(theta), parameters or getattr(config, "rope_scaling", None)
+
+
+def norm_eps(config: Any) -> float:
+    return getattr(config, "rms_norm_eps", 1e-6)   # transformers' default for all three
 
 
 def supports(config: Any) -> bool:

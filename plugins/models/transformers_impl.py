@@ -177,9 +177,9 @@ class TransformersModel(nn.Module):
         return before - set(info.missing_keys)
 
     def _apply(self, fn, recurse=True):
-        """Keep the model right across the runner's `to_empty` and `.to(dtype)`.
+        """Keep the model right across the runner's `materialize` and `.to(dtype)`.
 
-        `to_empty` (materialising the meta-device build) unties tied parameters and leaves the
+        `materialize` (empty storage for the meta-device build) unties tied parameters and leaves the
         non-persistent buffers (rotary inv_freq and the like) uninitialised: no checkpoint has
         them, so no loader fills them. `.to(dtype)` would round inv_freq to bfloat16, where
         transformers keeps it in float32.

@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterator
 import pytest
 import torch
 
-from srv.sdk.models import ModelImpl, ModelLoader
+from srv.sdk.models import ModelConfig, ModelImpl, ModelLoader, materialize
 from srv.sdk.testing.registry import create, registered_temporarily, registration
 from srv.sdk.testing.tiny_model import hf_greedy, random_prompts, tiny_llama, write_tiny_llama
 
@@ -114,7 +114,7 @@ class ModelLoaderKit(_EngineChecks):
         assert impl.supports(config), f"srv's native implementation does not support {config.architectures}"
         with torch.device("meta"):
             model = impl.build(config)
-        model = model.to_empty(device="cpu")
+        model = materialize(model)
         with torch.no_grad():
             for parameter in model.parameters():
                 parameter.fill_(float("nan"))
@@ -131,19 +131,15 @@ class ModelLoaderKit(_EngineChecks):
         assert not self.make_loader().accepts(tmp_path), "accepts() claimed an empty directory"
 
     def test_prepare_returns_a_model_directory(self, srv_kit_checkpoint: Path) -> None:
-        from transformers import AutoConfig
-
         model_dir = Path(self.make_loader().prepare(srv_kit_checkpoint))
         assert (model_dir / "config.json").is_file(), f"prepare() gave {model_dir}, which has no config.json"
-        config = AutoConfig.from_pretrained(str(model_dir))
+        config = ModelConfig.read(model_dir)
         assert config.vocab_size == self.reference_model().config.vocab_size, "prepare() gave another model's config"
 
     def test_load_fills_srv_native_model(self, srv_kit_checkpoint: Path) -> None:
-        from transformers import AutoConfig
-
         loader = self.make_loader()
         model_dir = Path(loader.prepare(srv_kit_checkpoint))
-        config = AutoConfig.from_pretrained(str(model_dir))
+        config = ModelConfig.read(model_dir)
         model = self.build_native_model(config)
         loader.load(model, model_dir)
         expected = self.build_native_model(config)
@@ -210,10 +206,8 @@ class ModelImplKit(_EngineChecks):
         finally:
             engine.shutdown()
 
-    def config(self, model_dir: Path) -> Any:
-        from transformers import AutoConfig
-
-        return AutoConfig.from_pretrained(str(model_dir))
+    def config(self, model_dir: Path) -> ModelConfig:
+        return ModelConfig.read(model_dir)
 
     # ---- the tests -------------------------------------------------------------------------
 
