@@ -1,9 +1,8 @@
 /* Products of float32 activations with GGUF Q4_1 and Q8_0 weights, for a few rows at a time.
  *
- * Each weight block (32 values of one output row) is widened to float32 once and multiplied
- * into every activation row, so a batch of M rows reads the quantized weights once: decode is
- * bound by those bytes (4.5 or 8.5 bits a weight) rather than by float32 or bf16 copies.
- * Accumulation is float32 fused multiply-add, block by block; no activation is quantized.
+ * Each weight row is read once and widened to float32 once for all M activation rows, so
+ * decode is bound by the quantized bytes (6 or 9 bits a weight) rather than by float32 or bf16
+ * copies of the weights. Accumulation is float32 fused multiply-add; no activation is quantized.
  *
  * Layouts (N output rows, K inputs, B = K / 32 blocks a row):
  *   Q4_1: nibbles [N][(B + 1) / 2][32], pairs of blocks (see q4_1_pair), the last one
@@ -18,9 +17,14 @@
 
 #include <immintrin.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #define GROUP 32
-#define ROWS 8 /* activation rows kept in registers at once */
+/* Up to FEW_ROWS activation rows, each weight block is scaled in registers for every row
+ * (q4_1_row, q8_0_row); more rows take matmul_many_rows. Measured on AVX2 (SmolLM2's shapes,
+ * the whole model's products): the two tie at 4 rows, and at 8 rows many_rows takes 23 ms
+ * against 32. */
+#define FEW_ROWS 4
 
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -69,16 +73,16 @@ static void block_sums(const float *x, int64_t m, int64_t k, float *sums) {
         }
 }
 
-/* One output row against `rows` activation rows. Always inlined with a constant `rows` (see
- * FOR_ROWS), so the accumulators live in registers rather than in an array on the stack. */
+/* One output row against `rows` (at most FEW_ROWS) activation rows. Always inlined with a
+ * constant `rows` (see FOR_ROWS), so the accumulators live in registers, not on the stack. */
 #define INLINE static inline __attribute__((always_inline))
 
 INLINE void q4_1_row(const float *x, int64_t k, const uint8_t *nibbles, const float *scale, const float *min,
                      const float *sums, float *y, int64_t n, const int rows) {
     const int64_t blocks = k / GROUP;
     /* Even and odd blocks accumulate apart: two dependency chains a row instead of one. */
-    __m256 even[ROWS], odd[ROWS];
-    float offset[ROWS];
+    __m256 even[FEW_ROWS], odd[FEW_ROWS];
+    float offset[FEW_ROWS];
     for (int r = 0; r < rows; r++) {
         even[r] = odd[r] = _mm256_setzero_ps();
         offset[r] = 0.0f;
@@ -110,7 +114,7 @@ INLINE void q4_1_row(const float *x, int64_t k, const uint8_t *nibbles, const fl
 INLINE void q8_0_row(const float *x, int64_t k, const int8_t *values, const float *scale, float *y, int64_t n,
                      const int rows) {
     const int64_t blocks = k / GROUP;
-    __m256 even[ROWS], odd[ROWS];
+    __m256 even[FEW_ROWS], odd[FEW_ROWS];
     for (int r = 0; r < rows; r++) even[r] = odd[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
         __m256 w[4];
@@ -125,37 +129,122 @@ INLINE void q8_0_row(const float *x, int64_t k, const int8_t *values, const floa
     for (int r = 0; r < rows; r++) y[r * n] = hsum(_mm256_add_ps(even[r], odd[r]));
 }
 
-/* `statement` with ROWS_NOW a constant equal to `rows` (1..ROWS). */
+/* `statement` with ROWS_NOW a constant equal to `rows` (1..4). */
 #define FOR_ROWS(rows, statement)                                                                         \
     switch (rows) {                                                                                       \
     case 1: { const int ROWS_NOW = 1; statement; } break;                                                \
     case 2: { const int ROWS_NOW = 2; statement; } break;                                                \
     case 3: { const int ROWS_NOW = 3; statement; } break;                                                \
-    case 4: { const int ROWS_NOW = 4; statement; } break;                                                \
-    case 5: { const int ROWS_NOW = 5; statement; } break;                                                \
-    case 6: { const int ROWS_NOW = 6; statement; } break;                                                \
-    case 7: { const int ROWS_NOW = 7; statement; } break;                                                \
-    default: { const int ROWS_NOW = 8; statement; } break;                                               \
+    default: { const int ROWS_NOW = 4; statement; } break;                                               \
     }
 
-/* Output rows split across threads; each reads its weight row once for all activation rows
- * (after the first group of ROWS, from cache). */
+/* Many activation rows: each thread widens two weight rows at a time to float32 (scale and min
+ * applied) in a buffer of its own, then runs a 2 x 4 register tile over it: eight independent
+ * accumulators keep both FMA pipes busy, and each weight value is widened once for all rows. */
+enum { Q4_1 = 0, Q8_0 = 1 };
+
+typedef struct {
+    int format;
+    const void *data; /* nibbles or values */
+    const float *scale, *min;
+} QuantizedRows;
+
+static void dequantize_row(const QuantizedRows *w, int64_t i, int64_t k, float *out) {
+    const int64_t blocks = k / GROUP;
+    const float *scale = w->scale + i * blocks;
+    if (w->format == Q4_1) {
+        const uint8_t *nibbles = (const uint8_t *)w->data + i * ((blocks + 1) / 2) * GROUP;
+        const float *min = w->min + i * blocks;
+        for (int64_t b = 0; b < blocks; b += 2) {
+            __m256 first[4], second[4];
+            q4_1_pair(nibbles + b * (GROUP / 2), first, second);
+            const __m256 d0 = _mm256_set1_ps(scale[b]), m0 = _mm256_set1_ps(min[b]);
+            for (int s = 0; s < 4; s++) _mm256_storeu_ps(out + b * GROUP + 8 * s, _mm256_fmadd_ps(first[s], d0, m0));
+            if (b + 1 < blocks) {
+                const __m256 d1 = _mm256_set1_ps(scale[b + 1]), m1 = _mm256_set1_ps(min[b + 1]);
+                for (int s = 0; s < 4; s++)
+                    _mm256_storeu_ps(out + (b + 1) * GROUP + 8 * s, _mm256_fmadd_ps(second[s], d1, m1));
+            }
+        }
+    } else {
+        const int8_t *values = (const int8_t *)w->data + i * k;
+        for (int64_t b = 0; b < blocks; b++) {
+            __m256 block[4];
+            q8_0_block(values + b * GROUP, block);
+            const __m256 d = _mm256_set1_ps(scale[b]);
+            for (int s = 0; s < 4; s++) _mm256_storeu_ps(out + b * GROUP + 8 * s, _mm256_mul_ps(block[s], d));
+        }
+    }
+}
+
+/* y[r][0] = w0 . x[r] and y[r][1] = w1 . x[r] for `rows` (constant, at most 4) rows of x. */
+INLINE void tile_2x4(const float *w0, const float *w1, const float *x, int64_t k, float *y, int64_t n, int both,
+                     const int rows) {
+    __m256 a0[4], a1[4];
+    for (int r = 0; r < rows; r++) a0[r] = a1[r] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < k; c += 8) {
+        const __m256 v0 = _mm256_loadu_ps(w0 + c), v1 = _mm256_loadu_ps(w1 + c);
+        for (int r = 0; r < rows; r++) {
+            const __m256 xv = _mm256_loadu_ps(x + r * k + c);
+            a0[r] = _mm256_fmadd_ps(v0, xv, a0[r]);
+            a1[r] = _mm256_fmadd_ps(v1, xv, a1[r]);
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        y[r * n] = hsum(a0[r]);
+        if (both) y[r * n + 1] = hsum(a1[r]);
+    }
+}
+
+static void matmul_many_rows(const QuantizedRows *w, const float *x, int64_t m, int64_t k, int64_t n, float *y) {
+#pragma omp parallel
+    {
+        float *rows = malloc(2 * k * sizeof(float));
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < n; i += 2) {
+            const int both = i + 1 < n;
+            dequantize_row(w, i, k, rows);
+            if (both) dequantize_row(w, i + 1, k, rows + k);
+            for (int64_t r0 = 0; r0 < m; r0 += 4) {
+                const float *xr = x + r0 * k;
+                float *yr = y + r0 * n + i;
+                switch (m - r0) {
+                case 1: tile_2x4(rows, rows + k, xr, k, yr, n, both, 1); break;
+                case 2: tile_2x4(rows, rows + k, xr, k, yr, n, both, 2); break;
+                case 3: tile_2x4(rows, rows + k, xr, k, yr, n, both, 3); break;
+                default: tile_2x4(rows, rows + k, xr, k, yr, n, both, 4); break;
+                }
+            }
+        }
+        free(rows);
+    }
+}
+
+/* Output rows split across threads, each weight row read once for all activation rows. */
 void srv_q4_1_matmul(const float *x, int64_t m, int64_t k, const uint8_t *nibbles, const float *scale,
                      const float *min, int64_t n, float *y, float *sums /* scratch, [m][k / 32] */) {
     const int64_t blocks = k / GROUP;
+    if (m > FEW_ROWS) {
+        const QuantizedRows w = {Q4_1, nibbles, scale, min};
+        matmul_many_rows(&w, x, m, k, n, y);
+        return;
+    }
     block_sums(x, m, k, sums);
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < n; i++)
-        for (int64_t r0 = 0; r0 < m; r0 += ROWS)
-            FOR_ROWS(m - r0, q4_1_row(x + r0 * k, k, nibbles + i * ((blocks + 1) / 2) * GROUP, scale + i * blocks,
-                                      min + i * blocks, sums + r0 * blocks, y + r0 * n + i, n, ROWS_NOW))
+        FOR_ROWS(m, q4_1_row(x, k, nibbles + i * ((blocks + 1) / 2) * GROUP, scale + i * blocks, min + i * blocks,
+                             sums, y + i, n, ROWS_NOW))
 }
 
 void srv_q8_0_matmul(const float *x, int64_t m, int64_t k, const int8_t *values, const float *scale, int64_t n,
                      float *y) {
     const int64_t blocks = k / GROUP;
+    if (m > FEW_ROWS) {
+        const QuantizedRows w = {Q8_0, values, scale, NULL};
+        matmul_many_rows(&w, x, m, k, n, y);
+        return;
+    }
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < n; i++)
-        for (int64_t r0 = 0; r0 < m; r0 += ROWS)
-            FOR_ROWS(m - r0, q8_0_row(x + r0 * k, k, values + i * k, scale + i * blocks, y + r0 * n + i, n, ROWS_NOW))
+        FOR_ROWS(m, q8_0_row(x, k, values + i * k, scale + i * blocks, y + i, n, ROWS_NOW))
 }
