@@ -6,6 +6,10 @@ query/key/value projection, Qwen3 normalises queries and keys per head before ro
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import logging
+from pathlib import Path
 from typing import Any, Iterable
 
 import torch
@@ -13,8 +17,30 @@ from torch import nn
 from torch.nn import functional as F
 
 from srv.sdk.attention import ForwardBatch
+from srv.sdk.native import NativeBuildError, load_c_library
+
+logger = logging.getLogger("srv.models")
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
+
+
+@functools.cache
+def kernels() -> ctypes.CDLL | None:
+    """llama_kernels.c for float32 rows, or None without a C compiler (torch's operators then)."""
+    try:
+        library = load_c_library(Path(__file__).with_name("llama_kernels.c"), ("-ffp-contract=off", "-lm"))
+    except NativeBuildError as exc:
+        logger.warning("%s; the model runs its norms and rotary embedding on torch's operators", exc)
+        return None
+    pointer, size = ctypes.c_void_p, ctypes.c_int64
+    library.srv_rms_norm.argtypes = [pointer, size, size, size, pointer, ctypes.c_float, pointer]
+    library.srv_rotary.argtypes = [pointer, size, size, size, size, pointer, pointer, pointer]
+    return library
+
+
+def float32_rows(x: torch.Tensor) -> bool:
+    """Whether the C kernels take x: float32 rows of contiguous values."""
+    return x.dtype == torch.float32 and x.stride(-1) == 1 and kernels() is not None
 
 
 class RMSNorm(nn.Module):
@@ -24,6 +50,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and float32_rows(x):
+            out = torch.empty(x.shape)
+            kernels().srv_rms_norm(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), self.weight.data_ptr(),
+                                   self.eps, out.data_ptr())
+            return out
         # Normalise in float32 whatever the served dtype, as the reference implementation does.
         dtype = x.dtype
         x = x.float()
@@ -50,6 +81,11 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [T, heads, head_dim]; cos, sin: [T, 1, head_dim]."""
+    if float32_rows(x) and x.stride(1) == x.shape[2]:
+        out = torch.empty(x.shape)
+        kernels().srv_rotary(x.data_ptr(), x.shape[0], x.shape[1], x.shape[2], x.stride(0), cos.data_ptr(),
+                             sin.data_ptr(), out.data_ptr())
+        return out
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return (x * cos + rotated * sin).to(x.dtype)

@@ -1,0 +1,74 @@
+"""srv.sdk.native (C kernels built on first use, cached, errors that say why) and the Llama
+family's C norms and rotary embedding against the torch operators they replace."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import srv.plugins.models.llama as llama
+from srv.sdk.native import NativeBuildError, load_c_library
+
+
+def test_a_kernel_compiles_once_and_loads_from_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SRV_KERNEL_CACHE", str(tmp_path / "cache"))
+    source = tmp_path / "add.c"
+    source.write_text("long srv_add(long a, long b) { return a + b; }\n")
+    assert load_c_library(source).srv_add(2, 3) == 5
+    built = list((tmp_path / "cache").iterdir())
+    assert len(built) == 1 and built[0].suffix == ".so"
+    stamp = built[0].stat().st_mtime_ns
+    load_c_library.cache_clear()
+    assert load_c_library(source).srv_add(4, 5) == 9
+    assert [p.stat().st_mtime_ns for p in (tmp_path / "cache").iterdir()] == [stamp]
+
+
+def test_a_source_that_does_not_compile_says_why(tmp_path, monkeypatch):
+    monkeypatch.setenv("SRV_KERNEL_CACHE", str(tmp_path / "cache"))
+    source = tmp_path / "broken.c"
+    source.write_text("int srv_broken( { }\n")
+    with pytest.raises(NativeBuildError, match="broken.c"):
+        load_c_library(source)
+    assert not list((tmp_path / "cache").iterdir())   # nothing half-built is left to load
+
+
+def test_no_compiler_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setattr("srv.sdk.native.compiler", lambda: None)
+    source = tmp_path / "x.c"
+    source.write_text("int srv_x(void) { return 1; }\n")
+    with pytest.raises(NativeBuildError, match="no C compiler"):
+        load_c_library(source)
+
+
+def torch_operators(monkeypatch):
+    monkeypatch.setattr(llama, "kernels", lambda: None)
+
+
+@pytest.mark.parametrize("rows, hidden", [(1, 576), (7, 100), (3, 5)])
+def test_rms_norm_kernel_matches_torch(monkeypatch, rows, hidden):
+    assert llama.kernels() is not None
+    norm = llama.RMSNorm(hidden, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(hidden))
+    wide = torch.randn(rows, hidden + 9)
+    x = wide[:, 3:3 + hidden]                      # rows with a stride of their own
+    with torch.inference_mode():
+        fused = norm(x)
+        torch_operators(monkeypatch)
+        reference = norm(x)
+    torch.testing.assert_close(fused, reference, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("heads, head_dim", [(12, 64), (3, 10)])
+def test_rotary_kernel_matches_torch(monkeypatch, heads, head_dim):
+    assert llama.kernels() is not None
+    tokens = 5
+    rotary = llama.RotaryEmbedding(head_dim, 10000.0, None)
+    cos, sin = rotary(torch.tensor([0, 3, 17, 100, 4095]))
+    qkv = torch.randn(tokens, (heads + 2) * head_dim)
+    x = qkv[:, :heads * head_dim].view(tokens, heads, head_dim)   # the q/k part of a fused projection
+    with torch.inference_mode():
+        fused = llama.apply_rotary(x, cos, sin)
+        torch_operators(monkeypatch)
+        reference = llama.apply_rotary(x, cos, sin)
+    torch.testing.assert_close(fused, reference, rtol=1e-6, atol=1e-6)
