@@ -13,8 +13,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define MAX_GROUP 16
-#define MAX_HEAD_DIM 256
 
 enum { KV_FLOAT32 = 0, KV_BFLOAT16 = 1, KV_FLOAT16 = 2 };
 
@@ -124,12 +122,10 @@ static inline void add_scaled(float *acc, float p, const float *v, int64_t d) {
     for (; i < d; i++) acc[i] += p * v[i];
 }
 
-/* Returns 0, or -1 when the shapes exceed the fixed buffers (checked by the caller first). */
-int srv_decode_attention(const float *q, const void *k_cache, const void *v_cache, int kv_format,
-                         const int64_t *kv_slots, int64_t stride, const int64_t *seq_lens, int64_t batch,
-                         int64_t heads, int64_t kv_heads, int64_t d, float scale, float *out) {
+void srv_decode_attention(const float *q, const void *k_cache, const void *v_cache, int kv_format,
+                          const int64_t *kv_slots, int64_t stride, const int64_t *seq_lens, int64_t batch,
+                          int64_t heads, int64_t kv_heads, int64_t d, float scale, float *out) {
     const int64_t group = heads / kv_heads;
-    if (group > MAX_GROUP || d > MAX_HEAD_DIM) return -1;
     int64_t longest = 1;
     for (int64_t b = 0; b < batch; b++) longest = seq_lens[b] > longest ? seq_lens[b] : longest;
 #pragma omp parallel
@@ -138,32 +134,31 @@ int srv_decode_attention(const float *q, const void *k_cache, const void *v_cach
          * of values. Each pass is a run of independent products, where a running softmax
          * chains every token's exp and rescale behind the previous one's. */
         float *scores = malloc(group * longest * sizeof(float));
+        float *acc = malloc(group * d * sizeof(float));
+        float *row = malloc(d * sizeof(float));
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < batch * kv_heads; task++) {
             const int64_t b = task / kv_heads, kvh = task % kv_heads, len = seq_lens[b];
             const int64_t *slots = kv_slots + b * stride;
             const float *qb = q + (b * heads + kvh * group) * d;
-            float row[MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM];
             for (int64_t t = 0; t < len; t++) {
                 if (t + PREFETCH_AHEAD < len)
                     prefetch_row(k_cache, (slots[t + PREFETCH_AHEAD] * kv_heads + kvh) * d, kv_format, d);
                 const float *key = cache_row(k_cache, (slots[t] * kv_heads + kvh) * d, kv_format, d, row);
                 for (int64_t g = 0; g < group; g++) scores[g * len + t] = dot(qb + g * d, key, d) * scale;
             }
-            for (int64_t g = 0; g < group; g++) {
-                softmax(scores + g * len, len);
-                memset(acc[g], 0, d * sizeof(float));
-            }
+            for (int64_t g = 0; g < group; g++) softmax(scores + g * len, len);
+            memset(acc, 0, group * d * sizeof(float));
             for (int64_t t = 0; t < len; t++) {
                 if (t + PREFETCH_AHEAD < len)
                     prefetch_row(v_cache, (slots[t + PREFETCH_AHEAD] * kv_heads + kvh) * d, kv_format, d);
                 const float *value = cache_row(v_cache, (slots[t] * kv_heads + kvh) * d, kv_format, d, row);
-                for (int64_t g = 0; g < group; g++) add_scaled(acc[g], scores[g * len + t], value, d);
+                for (int64_t g = 0; g < group; g++) add_scaled(acc + g * d, scores[g * len + t], value, d);
             }
-            for (int64_t g = 0; g < group; g++)
-                memcpy(out + (b * heads + kvh * group + g) * d, acc[g], d * sizeof(float));
+            memcpy(out + (b * heads + kvh * group) * d, acc, group * d * sizeof(float));
         }
         free(scores);
+        free(acc);
+        free(row);
     }
-    return 0;
 }

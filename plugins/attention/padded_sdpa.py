@@ -24,14 +24,13 @@ from srv.sdk.attention import AttentionBackend, ForwardBatch
 from srv.sdk.native import load_c_library
 
 KV_FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-# The kernel's fixed per-thread buffers: query heads per KV head, and head size.
-MAX_GROUP, MAX_HEAD_DIM = 16, 256
 
 
 @functools.cache
 def kernels() -> ctypes.CDLL:
     library = load_c_library(Path(__file__).with_name("decode_attention.c"), ("-mavx2", "-mfma", "-mf16c", "-lm"))
     pointer, size = ctypes.c_void_p, ctypes.c_int64
+    library.srv_decode_attention.restype = None
     library.srv_decode_attention.argtypes = [pointer, pointer, pointer, ctypes.c_int, pointer, size, pointer, size,
                                              size, size, size, ctypes.c_float, pointer]
     return library
@@ -40,9 +39,6 @@ def kernels() -> ctypes.CDLL:
 class PaddedSDPAAttention(AttentionBackend):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, scale)
-        if num_heads // num_kv_heads > MAX_GROUP or head_dim > MAX_HEAD_DIM:
-            raise ValueError(f"intel_amx decodes up to {MAX_GROUP} query heads a KV head and head size "
-                             f"{MAX_HEAD_DIM}; this model has {num_heads // num_kv_heads} and {head_dim}")
         kernels()   # a compiler error now, at launch, rather than at the first decode step
 
     def prepare(self, batch: ForwardBatch) -> None:
