@@ -101,8 +101,7 @@ class Scheduler:
     def set_tokenizer_loader(self, load: Callable[[], Any] | None) -> None:
         """How to load the tokenizer stop strings and grammars need (None under
         --skip-tokenizer-init). Importing transformers takes seconds, so it is not loaded now:
-        the scheduler loop starts loading it in the background once it is idle, and a first use
-        before that waits for it."""
+        `start_loading_tokenizer` loads it in the background, and the first use waits for it."""
         self._load_tokenizer = load
 
     def start_loading_tokenizer(self) -> None:

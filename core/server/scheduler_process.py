@@ -12,6 +12,7 @@ import asyncio
 import logging
 import multiprocessing
 import os
+import signal
 import tempfile
 import threading
 import time
@@ -58,6 +59,10 @@ def run_scheduler_process(args: Namespace, requests_addr: str, outputs_addr: str
     """Entry point of the child process."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logger.info("scheduler process %d started", os.getpid())
+    # Ctrl-C in a terminal, or a signal to the whole process group, reaches this process too:
+    # the server process shuts it down in order (Shutdown), or it exits once that one is gone.
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_IGN)
     install_gc_warning(args.gc_warning_threshold_secs)
     threading.Thread(target=_exit_with_parent, args=(os.getppid(),), name="srv-parent-watch", daemon=True).start()
     context = zmq.Context()
@@ -84,6 +89,8 @@ def run_scheduler_process(args: Namespace, requests_addr: str, outputs_addr: str
         "max_running_requests": scheduler.max_running,
         "eos_token_ids": scheduler.eos_ids,
     }))
+    # Only now: importing transformers beside the weights' loading slowed that by half.
+    scheduler.start_loading_tokenizer()
     loop = SchedulerLoop(scheduler)
     watchdog = Watchdog(args.watchdog_timeout)
     poller = zmq.Poller()
@@ -97,8 +104,6 @@ def run_scheduler_process(args: Namespace, requests_addr: str, outputs_addr: str
                 return
             outs += loop.handle(message)
             timeout = 0
-        if timeout:   # 100 ms without work or messages
-            scheduler.start_loading_tokenizer()
         with watchdog:
             outs += loop.step()
         if outs:
