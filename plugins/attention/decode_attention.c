@@ -39,14 +39,18 @@ static inline const float *cache_row(const void *cache, int64_t offset, int kv_f
     return row;
 }
 
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
 static inline float dot(const float *a, const float *b, int64_t d) {
     __m256 acc = _mm256_setzero_ps();
     int64_t i = 0;
     for (; i + 8 <= d; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    float total = _mm_cvtss_f32(s);
+    float total = hsum(acc);
     for (; i < d; i++) total += a[i] * b[i];
     return total;
 }
@@ -105,10 +109,7 @@ static void softmax(float *scores, int64_t len) {
         scores[t + i] = rest[i];
         total += rest[i];
     }
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(sums), _mm256_extractf128_ps(sums, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    total += _mm_cvtss_f32(s);
+    total += hsum(sums);
     const float inverse = 1.0f / total;
     for (t = 0; t < len; t++) scores[t] *= inverse;
 }
