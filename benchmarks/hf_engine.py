@@ -31,9 +31,9 @@ SEED = 0   # srv bench serve's default: the same prompts as the servers get
 
 @functools.cache
 def tokenizer(tokenizer_dir: Path) -> Any:
-    from srv.bench.prompts import load_tokenizer
+    from srv.engine.tokenizer import hf_tokenizer
 
-    return load_tokenizer(str(tokenizer_dir))
+    return hf_tokenizer(str(tokenizer_dir))
 
 
 def prompt_ids(workload: Workload, tokenizer_dir: Path) -> tuple[list[list[int]], list[int]]:

@@ -13,7 +13,8 @@ import sys
 import numpy as np
 import pytest
 
-from srv.bench.prompts import arrival_times, draw_lengths, generate_prompts, load_tokenizer
+from srv.bench.prompts import arrival_times, draw_lengths, generate_prompts
+from srv.engine.tokenizer import hf_tokenizer
 from srv.bench.stats import RequestResult, describe, per_token_gaps, percentile, summarize
 from srv.cli.bench import main as bench_main
 from test_server import API_KEY, Server, free_port
@@ -85,7 +86,7 @@ def test_statistics_on_synthetic_timings():
 
 @pytest.fixture(scope="module")
 def tokenizer(default_model_dir):
-    return load_tokenizer(str(default_model_dir))
+    return hf_tokenizer(str(default_model_dir))
 
 
 def test_prompts_are_seeded_and_have_the_drawn_token_lengths(tokenizer):

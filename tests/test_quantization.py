@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 import srv
-from srv.plugins.quantization.gguf import (DENSE_FROM_ROWS, GGUFLinear, Q4_1Weight, Q8_0Weight, q4_1_weight,
-                                           q8_0_weight, quantized_weight)
+from srv.plugins.quantization.gguf import (DENSE_FROM_ROWS, GGUFLinear, GGUFQuantization, Q4_1Weight, Q8_0Weight,
+                                           q4_1_weight, q8_0_weight, quantized_weight)
 from test_sdk_testing import gguf_weight
 
 
@@ -94,3 +94,39 @@ def test_default_model_serves_every_linear_layer_from_its_gguf_blocks():
 def test_gguf_quantization_refuses_a_model_that_is_not_gguf(tiny_models):
     with pytest.raises(ValueError, match="--quantization gguf serves a .gguf file"):
         srv.Engine(model_path=str(tiny_models["llama"]), quantization="gguf")
+
+
+def test_recovered_weights_are_cached_per_file_and_layers(tmp_path, monkeypatch):
+    monkeypatch.setenv("SRV_CACHE_DIR", str(tmp_path / "cache"))
+    model_file = tmp_path / "model.gguf"
+    model_file.write_bytes(b"GGUF")
+
+    def model(shapes: list[tuple[int, int]]) -> nn.Module:
+        layers = nn.Sequential(*(nn.Linear(k, n, bias=False) for n, k in shapes), nn.Linear(64, 64))
+        with torch.no_grad():
+            for i, layer in enumerate(layers[:-1]):
+                layer.weight.copy_(weight("Q4_1" if i % 2 == 0 else "Q8_0", *layer.weight.shape, seed=i))
+        return layers
+
+    def quantize(layers: nn.Module) -> dict[str, GGUFLinear | nn.Linear]:
+        method = GGUFQuantization()
+        method.check(str(model_file))
+        assert method.apply(layers) == 2
+        return dict(layers.named_children())
+
+    first = quantize(model([(96, 128), (32, 64)]))
+    recovered = []
+    real = srv.plugins.quantization.gguf.quantized_weight
+    monkeypatch.setattr("srv.plugins.quantization.gguf.quantized_weight", lambda w: recovered.append(w) or real(w))
+    second = quantize(model([(96, 128), (32, 64)]))
+    assert recovered == [], "the second launch recovered the blocks again instead of reading the cache"
+    for name in ("0", "1"):
+        assert type(second[name].weight) is type(first[name].weight)
+        for field, tensor in first[name].weight.tensors().items():
+            assert torch.equal(second[name].weight.tensors()[field], tensor), (name, field)
+    assert isinstance(second["2"], nn.Linear)
+
+    quantize(model([(96, 128), (64, 64)]))     # other layers: another entry
+    model_file.write_bytes(b"GGUF, rewritten")  # another file at the same path: another entry
+    quantize(model([(96, 128), (32, 64)]))
+    assert len(recovered) == 6

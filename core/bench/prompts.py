@@ -67,10 +67,6 @@ def draw_lengths(rng: random.Random, count: int, length: int, range_ratio: float
     return [rng.randint(low, length) if length > 0 else 0 for _ in range(count)]
 
 
-def load_tokenizer(path: str) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)
 
 
 class PromptGenerator:

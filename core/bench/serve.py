@@ -19,7 +19,8 @@ from typing import Any
 
 import httpx
 
-from srv.bench.prompts import Prompt, arrival_times, generate_prompts, load_tokenizer
+from srv.bench.prompts import Prompt, arrival_times, generate_prompts
+from srv.engine.tokenizer import hf_tokenizer
 from srv.bench.stats import RequestResult, per_token_gaps, summarize
 
 logger = logging.getLogger("srv.bench")
@@ -171,7 +172,7 @@ class Benchmark:
         from tqdm import tqdm
 
         config = self.config
-        tokenizer = load_tokenizer(config.tokenizer) if config.tokenizer else None
+        tokenizer = hf_tokenizer(config.tokenizer) if config.tokenizer else None
         prompts = generate_prompts(config.num_prompts + config.warmup_requests, config.input_len, config.output_len,
                                    config.range_ratio, config.seed, config.shared_prefix_len, tokenizer)
         prompts, warmups = prompts[:config.num_prompts], prompts[config.num_prompts:]

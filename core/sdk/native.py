@@ -3,8 +3,9 @@
     library = load_c_library(Path(__file__).with_name("kernels.c"), ["-mavx2", "-mfma"])
     library.my_kernel(x.data_ptr(), ...)
 
-The shared object is cached under ~/.cache/srv/kernels (or $SRV_KERNEL_CACHE), keyed by the
-source, the flags and the compiler, so later launches load it in milliseconds. `-fopenmp` is
+The shared object is cached under `kernels` in srv's cache root (`srv.sdk.paths`), or in
+$SRV_KERNEL_CACHE, keyed by the source, the flags and the compiler, so later launches load it in
+milliseconds. `-fopenmp` is
 always passed: a kernel's `#pragma omp parallel` runs in the OpenMP runtime torch has loaded,
 on torch's threads, with torch's thread count.
 """
@@ -21,6 +22,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from srv.sdk.paths import cache_root
+
 logger = logging.getLogger("srv.native")
 
 BASE_FLAGS = ["-O3", "-shared", "-fPIC", "-fopenmp", "-std=c11"]
@@ -35,7 +38,7 @@ def compiler() -> str | None:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("SRV_KERNEL_CACHE", Path.home() / ".cache" / "srv" / "kernels"))
+    return Path(os.environ.get("SRV_KERNEL_CACHE") or cache_root() / "kernels")
 
 
 @functools.cache

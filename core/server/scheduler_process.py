@@ -25,7 +25,7 @@ import zmq.asyncio
 
 from srv.backend_registry import BackendRegistry
 from srv.engine.grammar import GrammarCompiler
-from srv.engine.tokenizer import load_tokenizer
+from srv.engine.tokenizer import import_tokenizer_modules, load_tokenizer
 from srv.engine.diagnostics import install_gc_warning
 from srv.engine.frontend import Frontend
 
@@ -166,7 +166,7 @@ class SchedulerProcess:
         if not self.args.skip_tokenizer_init:
             # Importing transformers' tokenizers takes seconds: done on the other core while
             # the scheduler process imports torch, not after.
-            threading.Thread(target=_import_tokenizer_modules, name="srv-tokenizer-import", daemon=True).start()
+            threading.Thread(target=import_tokenizer_modules, name="srv-tokenizer-import", daemon=True).start()
         tokenizer: asyncio.Future | None = None
         message = await self._next_message()
         if isinstance(message, ModelDirKnown):
@@ -224,7 +224,3 @@ class SchedulerProcess:
             self.process.join()
         self._requests.close(linger=0)
         self._outputs.close(linger=0)
-
-
-def _import_tokenizer_modules() -> None:
-    from transformers import AutoTokenizer  # noqa: F401

@@ -24,6 +24,8 @@ import tempfile
 import time
 from typing import Any
 
+from srv.sdk.paths import cache_root as srv_cache_root
+
 logger = logging.getLogger("srv.plugins.models.gguf")
 
 MARKER = "srv-gguf-complete.json"
@@ -58,8 +60,7 @@ def convert_gguf(gguf_path: str | os.PathLike, cache_root: str | os.PathLike | N
     path = pathlib.Path(gguf_path).expanduser().resolve()
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {path}")
-    root = pathlib.Path(cache_root or os.environ.get("SRV_CACHE_DIR") or pathlib.Path.home() / ".cache" / "srv")
-    gguf_root = root.expanduser() / "gguf"
+    gguf_root = pathlib.Path(cache_root or srv_cache_root()).expanduser() / "gguf"
     digest = _sha256(path)
     final = gguf_root / digest[:16]
     if _is_complete(final):

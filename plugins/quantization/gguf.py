@@ -18,13 +18,23 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import hashlib
+import json
+import logging
+import os
+from abc import ABC, abstractmethod
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 from torch import nn
 
 from srv.sdk.native import load_c_library
+from srv.sdk.paths import cache_root
 from srv.sdk.quantization import QuantizationMethod
+
+logger = logging.getLogger("srv.quantization")
 
 GROUP = 32
 # Rows from which the dense copy computes the product. Measured on AVX2 (SmolLM2's shapes, all
@@ -35,6 +45,7 @@ ROWS_PER_SLICE = 1024
 # Recovered blocks must rebuild the file's values to float32 rounding.
 TOLERANCE = 1e-6
 KERNEL_FLAGS = ("-mavx2", "-mfma")
+CACHE_VERSION = 1  # bump when what is cached changes: the layouts above, or how blocks are recovered
 
 
 @functools.cache
@@ -46,11 +57,36 @@ def kernels() -> ctypes.CDLL:
     return library
 
 
-class Q4_1Weight:
+class BlockWeight(ABC):
+    """A layer's weights in one of the kernels' formats: the tensors named in FIELDS, which are
+    also the constructor's arguments."""
+
+    FORMAT: str
+    FIELDS: tuple[str, ...]
+    out_features: int
+    in_features: int
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {field: getattr(self, field) for field in self.FIELDS}
+
+    @abstractmethod
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] float32 -> [M, N] float32."""
+
+
+class Q4_1Weight(BlockWeight):
     """nibbles [N, ceil(K / 64), 32] uint8 (pairs of blocks, laid out as gguf_kernels.c reads
     them), scale and min [N, K / 32] float32."""
 
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, min: torch.Tensor) -> None:
+    FORMAT, FIELDS = "q4_1", ("nibbles", "scale", "min")
+
+    def __init__(self, nibbles: torch.Tensor, scale: torch.Tensor, min: torch.Tensor) -> None:
+        self.nibbles, self.scale, self.min = nibbles, scale, min
+        self.out_features, self.in_features = scale.shape[0], scale.shape[1] * GROUP
+
+    @classmethod
+    def from_blocks(cls, q: torch.Tensor, scale: torch.Tensor, min: torch.Tensor) -> Q4_1Weight:
+        """From q [N, K] (values 0..15) and the blocks' scale and min [N, K / 32]."""
         n, k = q.shape
         pairs = -(-k // (2 * GROUP))
         # Lane l (4 bytes) of a pair holds its weights 8s + l as nibble s: byte b of the lane
@@ -58,9 +94,8 @@ class Q4_1Weight:
         padded = q.new_zeros(n, pairs * 2 * GROUP, dtype=torch.uint8)
         padded[:, :k] = q
         lanes = padded.view(n, pairs, 8, 8).transpose(-1, -2)
-        self.nibbles = (lanes[..., 0::2] | (lanes[..., 1::2] << 4)).contiguous()
-        self.scale, self.min = scale.float().contiguous(), min.float().contiguous()
-        self.out_features, self.in_features = n, k
+        nibbles = (lanes[..., 0::2] | (lanes[..., 1::2] << 4)).contiguous()
+        return cls(nibbles, scale.float().contiguous(), min.float().contiguous())
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
@@ -71,24 +106,23 @@ class Q4_1Weight:
                                   sums.data_ptr())
         return y
 
-    @staticmethod
-    def cat(parts: list[Q4_1Weight]) -> Q4_1Weight:
-        weight = Q4_1Weight.__new__(Q4_1Weight)
-        weight.nibbles = torch.cat([p.nibbles for p in parts])
-        weight.scale, weight.min = torch.cat([p.scale for p in parts]), torch.cat([p.min for p in parts])
-        weight.out_features, weight.in_features = weight.nibbles.shape[0], parts[0].in_features
-        return weight
 
-
-class Q8_0Weight:
+class Q8_0Weight(BlockWeight):
     """values [N, K / 32, 32] int8 (byte s of lane l is the block's weight 8s + l), scale
     [N, K / 32] float32."""
 
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor) -> None:
+    FORMAT, FIELDS = "q8_0", ("values", "scale")
+
+    def __init__(self, values: torch.Tensor, scale: torch.Tensor) -> None:
+        self.values, self.scale = values, scale
+        self.out_features, self.in_features = scale.shape[0], scale.shape[1] * GROUP
+
+    @classmethod
+    def from_blocks(cls, q: torch.Tensor, scale: torch.Tensor) -> Q8_0Weight:
+        """From q [N, K] (values -127..127) and the blocks' scale [N, K / 32]."""
         n, k = q.shape
-        self.values = q.to(torch.int8).view(n, k // GROUP, 4, 8).transpose(-1, -2).contiguous()
-        self.scale = scale.float().contiguous()
-        self.out_features, self.in_features = n, k
+        values = q.to(torch.int8).view(n, k // GROUP, 4, 8).transpose(-1, -2).contiguous()
+        return cls(values, scale.float().contiguous())
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         y = x.new_empty(x.shape[0], self.out_features)
@@ -96,19 +130,18 @@ class Q8_0Weight:
                                   self.scale.data_ptr(), self.out_features, y.data_ptr())
         return y
 
-    @staticmethod
-    def cat(parts: list[Q8_0Weight]) -> Q8_0Weight:
-        weight = Q8_0Weight.__new__(Q8_0Weight)
-        weight.values, weight.scale = torch.cat([p.values for p in parts]), torch.cat([p.scale for p in parts])
-        weight.out_features, weight.in_features = weight.values.shape[0], parts[0].in_features
-        return weight
+
+FORMATS = {fmt.FORMAT: fmt for fmt in (Q4_1Weight, Q8_0Weight)}
 
 
-QuantizedWeight = Q4_1Weight | Q8_0Weight
+def concatenate(parts: list[BlockWeight]) -> BlockWeight:
+    """The weights of `parts` stacked along the output rows (all of one format)."""
+    fmt = type(parts[0])
+    return fmt(**{field: torch.cat([getattr(p, field) for p in parts]) for field in fmt.FIELDS})
 
 
 class GGUFLinear(nn.Module):
-    def __init__(self, weight: QuantizedWeight, dense: nn.Linear) -> None:
+    def __init__(self, weight: BlockWeight, dense: nn.Linear) -> None:
         super().__init__()
         # A plain attribute, not a buffer: casting the model to the served dtype must leave it.
         self.weight = weight
@@ -132,7 +165,7 @@ def q4_1_weight(weight: torch.Tensor) -> Q4_1Weight | None:
     q = blocks.sub(low).div_(torch.where(d > 0, d, 1.0)).round_().clamp_(0, 15)
     if not _rebuilds(blocks, q.mul(d).add_(low), torch.maximum(low.abs(), high.abs())):
         return None
-    return Q4_1Weight(q.view_as(weight), d.squeeze(-1), low.squeeze(-1))
+    return Q4_1Weight.from_blocks(q.view_as(weight), d.squeeze(-1), low.squeeze(-1))
 
 
 def q8_0_weight(weight: torch.Tensor) -> Q8_0Weight | None:
@@ -143,7 +176,7 @@ def q8_0_weight(weight: torch.Tensor) -> Q8_0Weight | None:
     q = blocks.div(torch.where(d > 0, d, 1.0)).round_().clamp_(-127, 127)
     if not _rebuilds(blocks, q.mul(d), largest):
         return None
-    return Q8_0Weight(q.view_as(weight), d.squeeze(-1))
+    return Q8_0Weight.from_blocks(q.view_as(weight), d.squeeze(-1))
 
 
 def _rebuilds(blocks: torch.Tensor, rebuilt: torch.Tensor, largest: torch.Tensor) -> bool:
@@ -152,7 +185,7 @@ def _rebuilds(blocks: torch.Tensor, rebuilt: torch.Tensor, largest: torch.Tensor
     return bool((error <= TOLERANCE * largest).all())
 
 
-def quantized_weight(weight: torch.Tensor) -> QuantizedWeight | None:
+def quantized_weight(weight: torch.Tensor) -> BlockWeight | None:
     """The weight in the first format every block fits, or None.
 
     Works through slices of rows: small temporaries the allocator reuses, where one pass over a
@@ -168,16 +201,77 @@ def quantized_weight(weight: torch.Tensor) -> QuantizedWeight | None:
                 break
             parts.append(part)
         else:
-            return fmt.cat(parts)
+            return concatenate(parts)
     return None
 
 
 class GGUFQuantization(QuantizationMethod):
+    """Recovering the blocks from float weights costs about a second of CPU at every launch, so
+    the recovered weights are cached (`gguf-weights` in srv's cache root), keyed by the GGUF
+    file (path, size, modification time), the model's linear layers and CACHE_VERSION. Without
+    a file (`check` not called) nothing is cached."""
+
+    model_file: Path | None = None
+
     def check(self, model_path: str) -> None:
         if Path(model_path).suffix != ".gguf":
             raise ValueError(f"--quantization gguf serves a .gguf file's own weights; {model_path} is not one")
         kernels()   # a compiler error now, at launch, rather than at the first request
+        self.model_file = Path(model_path).resolve()
+
+    def apply(self, model: nn.Module) -> int:
+        linears = {name: module for name, module in model.named_modules() if isinstance(module, nn.Linear)}
+        self.recovered = self._cached_weights(linears)
+        return super().apply(model)
 
     def quantize(self, name: str, linear: nn.Linear) -> nn.Module | None:
-        weight = quantized_weight(linear.weight.detach())
+        weight = self.recovered[name] if name in self.recovered else quantized_weight(linear.weight.detach())
         return None if weight is None else GGUFLinear(weight, linear)
+
+    def _cached_weights(self, linears: dict[str, nn.Linear]) -> dict[str, BlockWeight | None]:
+        path = None if self.model_file is None else self._cache_path(linears)
+        if path is not None:
+            try:
+                return read_weights(path)
+            except (OSError, SafetensorError, KeyError, ValueError):
+                pass
+        weights = {name: quantized_weight(linear.weight.detach()) for name, linear in linears.items()}
+        if path is not None:
+            try:
+                write_weights(path, weights)
+            except OSError as exc:  # a read-only cache costs the next launch a second, nothing more
+                logger.warning("could not cache the recovered GGUF weights in %s: %s", path, exc)
+        return weights
+
+    def _cache_path(self, linears: dict[str, nn.Linear]) -> Path:
+        stat = self.model_file.stat()
+        layers = [[name, list(linear.weight.shape)] for name, linear in linears.items()]
+        key = json.dumps([CACHE_VERSION, str(self.model_file), stat.st_size, stat.st_mtime_ns, layers])
+        return cache_root() / "gguf-weights" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.safetensors"
+
+
+def write_weights(path: Path, weights: dict[str, BlockWeight | None]) -> None:
+    """One safetensors file: `<layer>.<tensor>` entries, each layer's format in the metadata."""
+    tensors = {f"{name}.{field}": tensor for name, weight in weights.items() if weight is not None
+               for field, tensor in weight.tensors().items()}
+    formats = {name: None if weight is None else weight.FORMAT for name, weight in weights.items()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Written beside the target and renamed: a concurrent launch never reads half a file.
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        save_file(tensors, str(tmp), metadata={"formats": json.dumps(formats)})
+        os.chmod(tmp, 0o644)  # the cache may be shared; safetensors writes files private
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def read_weights(path: Path) -> dict[str, BlockWeight | None]:
+    with safe_open(str(path), framework="pt") as f:
+        formats = json.loads(f.metadata()["formats"])
+        tensors = {key: f.get_tensor(key) for key in f.keys()}
+    weights: dict[str, BlockWeight | None] = {}
+    for name, fmt in formats.items():
+        weights[name] = None if fmt is None else FORMATS[fmt](
+            **{field: tensors[f"{name}.{field}"] for field in FORMATS[fmt].FIELDS})
+    return weights
