@@ -71,7 +71,7 @@ def test_small_batches_run_the_kernels_and_large_ones_the_dense_copy(bias):
     layer = GGUFLinear(quantized_weight(dense.weight), dense)
     calls = []
     layer.dense.register_forward_hook(lambda *_: calls.append("dense"))
-    for rows in (DENSE_FROM_ROWS - 1, DENSE_FROM_ROWS):
+    for rows in (DENSE_FROM_ROWS[torch.float32] - 1, DENSE_FROM_ROWS[torch.float32]):
         x = torch.randn(rows, 128)
         with torch.inference_mode():
             expected = dense(x)

@@ -10,5 +10,5 @@ SRV_SDK_VERSION = ">=0.1,<0.2"
 def srv_register_quantization_methods(register):
     register("gguf", "srv.plugins.quantization.gguf:GGUFQuantization",
              description="a .gguf file's Q4_1 and Q8_0 weights as they are, on srv's C kernels for "
-                         "batches under 32 rows",
+                         "decode batches",
              available=all_of(requires_cpu_flags("avx2", "fma"), requires_c_compiler), priority=10)

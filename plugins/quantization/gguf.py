@@ -37,10 +37,15 @@ from srv.sdk.quantization import QuantizationMethod
 logger = logging.getLogger("srv.quantization")
 
 GROUP = 32
-# Rows from which the dense copy computes the product. Measured on AVX2 (SmolLM2's shapes, all
-# of the model's products, oneDNN's packed float32 for the dense copy): the kernels take 40 ms
-# against 60 at 16 rows, tie at 32 and lose at 64 (152 against 129).
-DENSE_FROM_ROWS = 32
+# Rows from which the dense copy computes the product, by the served dtype. float32, measured
+# on AVX2 (SmolLM2's shapes, all of the model's products, oneDNN's packed float32 for the dense
+# copy): the kernels take 32-42 ms against 47 at 16 rows and 108 against 132 at 64, tie at 128
+# and lose at 256 (570 against 506); the dense copy reads 4 bytes a weight, the kernels 6 bits.
+# bf16 and float16 keep the earlier crossover of 32: on AMX, bf16 dense products run several
+# times faster than float32 ones, and the kernels' float32 products would change the served
+# dtype's arithmetic for whole prefills.
+DENSE_FROM_ROWS = {torch.float32: 128}
+DENSE_FROM_ROWS_OTHER_DTYPES = 32
 ROWS_PER_SLICE = 1024
 # Recovered blocks must rebuild the file's values to float32 rounding.
 TOLERANCE = 1e-6
@@ -149,7 +154,7 @@ class GGUFLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
-        if rows >= DENSE_FROM_ROWS:
+        if rows >= DENSE_FROM_ROWS.get(x.dtype, DENSE_FROM_ROWS_OTHER_DTYPES):
             return self.dense(x)
         out = self.weight.matmul(x.reshape(rows, x.shape[-1]).float().contiguous())
         if self.dense.bias is not None:

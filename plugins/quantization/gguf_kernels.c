@@ -22,8 +22,8 @@
 #define GROUP 32
 /* Up to FEW_ROWS activation rows, each weight block is scaled in registers for every row
  * (q4_1_row, q8_0_row); more rows take matmul_many_rows. Measured on AVX2 (SmolLM2's shapes,
- * the whole model's products): the two tie at 4 rows, and at 8 rows many_rows takes 23 ms
- * against 32. */
+ * the whole model's products): the two tie at 3 and 4 rows (11-12 ms), and at 8 rows
+ * many_rows is faster. */
 #define FEW_ROWS 4
 
 static inline float hsum(__m256 v) {
@@ -138,9 +138,10 @@ INLINE void q8_0_row(const float *x, int64_t k, const int8_t *values, const floa
     default: { const int ROWS_NOW = 4; statement; } break;                                               \
     }
 
-/* Many activation rows: each thread widens two weight rows at a time to float32 (scale and min
- * applied) in a buffer of its own, then runs a 2 x 4 register tile over it: eight independent
- * accumulators keep both FMA pipes busy, and each weight value is widened once for all rows. */
+/* Many activation rows: each thread widens WEIGHT_ROWS weight rows at a time to float32 (scale
+ * and min applied) in a buffer of its own, then runs a register tile over them and four rows
+ * of x at a time: independent accumulators keep both FMA pipes busy, and each weight value is
+ * widened once for all rows. */
 enum { Q4_1 = 0, Q8_0 = 1 };
 
 typedef struct {
@@ -177,44 +178,48 @@ static void dequantize_row(const QuantizedRows *w, int64_t i, int64_t k, float *
     }
 }
 
-/* y[r][0] = w0 . x[r] and y[r][1] = w1 . x[r] for `rows` (constant, at most 4) rows of x. */
-INLINE void tile_2x4(const float *w0, const float *w1, const float *x, int64_t k, float *y, int64_t n, int both,
-                     const int rows) {
-    __m256 a0[4], a1[4];
-    for (int r = 0; r < rows; r++) a0[r] = a1[r] = _mm256_setzero_ps();
+/* Weight rows a tile: 3 x 4 uses 12 accumulators, 3 weight vectors and one x vector, all 16
+ * AVX registers. Measured on SmolLM2's shapes at 16 rows: 32-42 ms against 42-77 for 2 x 4;
+ * 4 x 4 spills and is slower than both. */
+#define WEIGHT_ROWS 3
+
+/* y[r][j] = w[j] . x[r] for j < `present` weight rows (in w, k apart) and `rows` rows of x
+ * (both constant): WEIGHT_ROWS x 4 accumulators, each x vector loaded once for every weight row. */
+INLINE void tile(const float *w, const float *x, int64_t k, float *y, int64_t n, const int present, const int rows) {
+    __m256 acc[WEIGHT_ROWS][4];
+    for (int j = 0; j < present; j++)
+        for (int r = 0; r < rows; r++) acc[j][r] = _mm256_setzero_ps();
     for (int64_t c = 0; c < k; c += 8) {
-        const __m256 v0 = _mm256_loadu_ps(w0 + c), v1 = _mm256_loadu_ps(w1 + c);
+        __m256 wv[WEIGHT_ROWS];
+        for (int j = 0; j < present; j++) wv[j] = _mm256_loadu_ps(w + j * k + c);
         for (int r = 0; r < rows; r++) {
             const __m256 xv = _mm256_loadu_ps(x + r * k + c);
-            a0[r] = _mm256_fmadd_ps(v0, xv, a0[r]);
-            a1[r] = _mm256_fmadd_ps(v1, xv, a1[r]);
+            for (int j = 0; j < present; j++) acc[j][r] = _mm256_fmadd_ps(wv[j], xv, acc[j][r]);
         }
     }
-    for (int r = 0; r < rows; r++) {
-        y[r * n] = hsum(a0[r]);
-        if (both) y[r * n + 1] = hsum(a1[r]);
+    for (int r = 0; r < rows; r++)
+        for (int j = 0; j < present; j++) y[r * n + j] = hsum(acc[j][r]);
+}
+
+/* tile() with constant `present` (1..WEIGHT_ROWS) and `rows` (1..4). */
+static void any_tile(const float *w, const float *x, int64_t k, float *y, int64_t n, int present, int rows) {
+    if (present == WEIGHT_ROWS) {
+        FOR_ROWS(rows, tile(w, x, k, y, n, WEIGHT_ROWS, ROWS_NOW))
+    } else {
+        for (int j = 0; j < present; j++) FOR_ROWS(rows, tile(w + j * k, x, k, y + j, n, 1, ROWS_NOW))
     }
 }
 
 static void matmul_many_rows(const QuantizedRows *w, const float *x, int64_t m, int64_t k, int64_t n, float *y) {
 #pragma omp parallel
     {
-        float *rows = malloc(2 * k * sizeof(float));
+        float *rows = malloc(WEIGHT_ROWS * k * sizeof(float));
 #pragma omp for schedule(static)
-        for (int64_t i = 0; i < n; i += 2) {
-            const int both = i + 1 < n;
-            dequantize_row(w, i, k, rows);
-            if (both) dequantize_row(w, i + 1, k, rows + k);
-            for (int64_t r0 = 0; r0 < m; r0 += 4) {
-                const float *xr = x + r0 * k;
-                float *yr = y + r0 * n + i;
-                switch (m - r0) {
-                case 1: tile_2x4(rows, rows + k, xr, k, yr, n, both, 1); break;
-                case 2: tile_2x4(rows, rows + k, xr, k, yr, n, both, 2); break;
-                case 3: tile_2x4(rows, rows + k, xr, k, yr, n, both, 3); break;
-                default: tile_2x4(rows, rows + k, xr, k, yr, n, both, 4); break;
-                }
-            }
+        for (int64_t i = 0; i < n; i += WEIGHT_ROWS) {
+            const int present = n - i < WEIGHT_ROWS ? (int)(n - i) : WEIGHT_ROWS;
+            for (int j = 0; j < present; j++) dequantize_row(w, i + j, k, rows + j * k);
+            for (int64_t r0 = 0; r0 < m; r0 += 4)
+                any_tile(rows, x + r0 * k, k, y + r0 * n + i, n, present, m - r0 < 4 ? (int)(m - r0) : 4);
         }
         free(rows);
     }
