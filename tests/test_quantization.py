@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import srv
-from srv.plugins.quantization.gguf import (DENSE_FROM_ROWS, GGUFLinear, GGUFQuantization, Q4_1Weight, Q8_0Weight,
+from srv.plugins.quantization.gguf import (DENSE_FROM_FLOAT32_ROWS, GGUFLinear, GGUFQuantization, Q4_1Weight, Q8_0Weight,
                                            q4_1_weight, q8_0_weight, quantized_weight)
 from test_sdk_testing import gguf_weight
 
@@ -71,7 +71,7 @@ def test_small_batches_run_the_kernels_and_large_ones_the_dense_copy(bias):
     layer = GGUFLinear(quantized_weight(dense.weight), dense)
     calls = []
     layer.dense.register_forward_hook(lambda *_: calls.append("dense"))
-    for rows in (DENSE_FROM_ROWS[torch.float32] - 1, DENSE_FROM_ROWS[torch.float32]):
+    for rows in (DENSE_FROM_FLOAT32_ROWS - 1, DENSE_FROM_FLOAT32_ROWS):
         x = torch.randn(rows, 128)
         with torch.inference_mode():
             expected = dense(x)

@@ -7,7 +7,7 @@ kernels compute, and stored again in that format:
 - Q4_1: w = d * q + m, q in 0..15: 6 bits a weight with srv's float32 d and m.
 - Q8_0: w = d * q, q in -127..127: 9 bits a weight.
 
-A layer whose weights fit neither format stays dense. Batches under DENSE_FROM_ROWS rows
+A layer whose weights fit neither format stays dense. Batches under DENSE_FROM_*_ROWS rows
 (decode) go to the C kernels of gguf_kernels.c, which read the quantized bytes once for all
 rows and multiply them into float32 activations: those products are bound by the bytes read.
 Larger batches are bound by arithmetic, where the served dtype's dense kernels are faster, so
@@ -44,8 +44,8 @@ GROUP = 32
 # bf16 and float16 keep the earlier crossover of 32: on AMX, bf16 dense products run several
 # times faster than float32 ones, and the kernels' float32 products would change the served
 # dtype's arithmetic for whole prefills.
-DENSE_FROM_ROWS = {torch.float32: 128}
-DENSE_FROM_ROWS_OTHER_DTYPES = 32
+DENSE_FROM_FLOAT32_ROWS = 128
+DENSE_FROM_OTHER_DTYPES_ROWS = 32
 ROWS_PER_SLICE = 1024
 # Recovered blocks must rebuild the file's values to float32 rounding.
 TOLERANCE = 1e-6
@@ -57,9 +57,14 @@ CACHE_VERSION = 1  # bump when what is cached changes: the layouts above, or how
 def kernels() -> ctypes.CDLL:
     library = load_c_library(Path(__file__).with_name("gguf_kernels.c"), KERNEL_FLAGS)
     pointer, size = ctypes.c_void_p, ctypes.c_int64
-    library.srv_q4_1_matmul.argtypes = [pointer, size, size, pointer, pointer, pointer, size, pointer, pointer]
+    library.srv_q4_1_matmul.argtypes = [pointer, size, size, pointer, pointer, pointer, size, pointer]
     library.srv_q8_0_matmul.argtypes = [pointer, size, size, pointer, pointer, size, pointer]
     return library
+
+
+def pointers(*tensors: torch.Tensor) -> tuple[ctypes.c_void_p, ...]:
+    """The tensors' addresses as ctypes arguments: converted once, not at every call."""
+    return tuple(ctypes.c_void_p(t.data_ptr()) for t in tensors)
 
 
 class BlockWeight(ABC):
@@ -88,6 +93,7 @@ class Q4_1Weight(BlockWeight):
     def __init__(self, nibbles: torch.Tensor, scale: torch.Tensor, min: torch.Tensor) -> None:
         self.nibbles, self.scale, self.min = nibbles, scale, min
         self.out_features, self.in_features = scale.shape[0], scale.shape[1] * GROUP
+        self.weight_args = pointers(nibbles, scale, min)
 
     @classmethod
     def from_blocks(cls, q: torch.Tensor, scale: torch.Tensor, min: torch.Tensor) -> Q4_1Weight:
@@ -103,12 +109,9 @@ class Q4_1Weight(BlockWeight):
         return cls(nibbles, scale.float().contiguous(), min.float().contiguous())
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.shape[0]
-        y = x.new_empty(rows, self.out_features)
-        sums = x.new_empty(rows, self.in_features // GROUP)
-        kernels().srv_q4_1_matmul(x.data_ptr(), rows, self.in_features, self.nibbles.data_ptr(),
-                                  self.scale.data_ptr(), self.min.data_ptr(), self.out_features, y.data_ptr(),
-                                  sums.data_ptr())
+        y = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
+        kernels().srv_q4_1_matmul(x.data_ptr(), x.shape[0], self.in_features, *self.weight_args, self.out_features,
+                                  y.data_ptr())
         return y
 
 
@@ -121,6 +124,7 @@ class Q8_0Weight(BlockWeight):
     def __init__(self, values: torch.Tensor, scale: torch.Tensor) -> None:
         self.values, self.scale = values, scale
         self.out_features, self.in_features = scale.shape[0], scale.shape[1] * GROUP
+        self.weight_args = pointers(values, scale)
 
     @classmethod
     def from_blocks(cls, q: torch.Tensor, scale: torch.Tensor) -> Q8_0Weight:
@@ -130,9 +134,9 @@ class Q8_0Weight(BlockWeight):
         return cls(values, scale.float().contiguous())
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        y = x.new_empty(x.shape[0], self.out_features)
-        kernels().srv_q8_0_matmul(x.data_ptr(), x.shape[0], self.in_features, self.values.data_ptr(),
-                                  self.scale.data_ptr(), self.out_features, y.data_ptr())
+        y = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
+        kernels().srv_q8_0_matmul(x.data_ptr(), x.shape[0], self.in_features, *self.weight_args, self.out_features,
+                                  y.data_ptr())
         return y
 
 
@@ -151,10 +155,16 @@ class GGUFLinear(nn.Module):
         # A plain attribute, not a buffer: casting the model to the served dtype must leave it.
         self.weight = weight
         self.dense = dense
+        self.plain = dense.bias is None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The common case first, in as few operators as possible: decode runs this 100-odd times
+        # a step, where each operator call costs about a microsecond.
+        if self.plain and x.dtype == torch.float32 and x.dim() == 2 and x.shape[0] < DENSE_FROM_FLOAT32_ROWS \
+                and x.is_contiguous():
+            return self.weight.matmul(x)
         rows = x.numel() // x.shape[-1]
-        if rows >= DENSE_FROM_ROWS.get(x.dtype, DENSE_FROM_ROWS_OTHER_DTYPES):
+        if rows >= (DENSE_FROM_FLOAT32_ROWS if x.dtype == torch.float32 else DENSE_FROM_OTHER_DTYPES_ROWS):
             return self.dense(x)
         out = self.weight.matmul(x.reshape(rows, x.shape[-1]).float().contiguous())
         if self.dense.bias is not None:

@@ -227,13 +227,14 @@ static void matmul_many_rows(const QuantizedRows *w, const float *x, int64_t m, 
 
 /* Output rows split across threads, each weight row read once for all activation rows. */
 void srv_q4_1_matmul(const float *x, int64_t m, int64_t k, const uint8_t *nibbles, const float *scale,
-                     const float *min, int64_t n, float *y, float *sums /* scratch, [m][k / 32] */) {
+                     const float *min, int64_t n, float *y) {
     const int64_t blocks = k / GROUP;
     if (m > FEW_ROWS) {
         const QuantizedRows w = {Q4_1, nibbles, scale, min};
         matmul_many_rows(&w, x, m, k, n, y);
         return;
     }
+    float sums[FEW_ROWS * blocks];
     block_sums(x, m, k, sums);
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < n; i++)
