@@ -12,6 +12,7 @@ import torch
 import srv
 from srv.engine.default_model import default_model_path
 from srv.plugin_manager import load_plugins
+from srv.plugins.quantization.gguf import GGUFLinear
 
 NEW_TOKENS = 32
 GREEDY = {"max_new_tokens": NEW_TOKENS, "temperature": 0}
@@ -101,11 +102,13 @@ def test_default_model_prefix_cache_hit(default_engine, default_model_dir):
     assert_all_kv_returned(default_engine)
 
 
-def test_default_model_gguf_kernels_match_hf(default_model_dir):
+@pytest.mark.parametrize("model_impl", ["auto", "transformers"])
+def test_default_model_gguf_kernels_match_hf(default_model_dir, model_impl):
     """`--quantization gguf` multiplies the file's own blocks into float32 activations: HF on
     the same (dequantized) weights gives the same greedy tokens, for a batch of 8 decoding on
-    the kernels."""
-    with srv.Engine(quantization="gguf", dtype="float32") as engine:
+    the kernels, in srv's own Llama and in transformers' model class."""
+    with srv.Engine(quantization="gguf", dtype="float32", model_impl=model_impl) as engine:
+        assert isinstance(engine.runner.model.get_submodule(QKV_PROJ[model_impl]), GGUFLinear)
         ids = [engine.tokenizer.encode(p) for p in PROMPTS]
         assert_matches_hf(engine, default_model_dir, ids, engine.generate(PROMPTS, GREEDY))
 
@@ -130,6 +133,7 @@ def test_default_model_bfloat16_within_tolerance(default_model_dir, flags):
 
 
 BF16_LOGPROB_TOLERANCE = 0.25
+QKV_PROJ = {"auto": "layers.0.self_attn.qkv_proj", "transformers": "hf.model.layers.0.self_attn.q_proj"}
 
 
 # ---- tiny random models, every feature --------------------------------------------------------
