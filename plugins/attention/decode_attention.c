@@ -91,33 +91,43 @@ static inline __m256 exp_nonpositive(__m256 x) {
     return _mm256_andnot_ps(underflow, _mm256_mul_ps(p, _mm256_castsi256_ps(exponent)));
 }
 
-/* scores = softmax(scores), in place */
-static void softmax(float *scores, int64_t len) {
-    float largest = -INFINITY, total = 0.0f;
-    for (int64_t t = 0; t < len; t++) largest = scores[t] > largest ? scores[t] : largest;
-    const __m256 shift = _mm256_set1_ps(largest);
+static inline float hmax(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+}
+
+/* scores[0, len) = softmax(scale * scores[0, len)), in place. The buffer runs on to len rounded
+ * up to 8; the entries past len are left out of the max and the sum. */
+static void softmax(float *scores, int64_t len, float scale) {
+    const int64_t last = (len - 1) / 8 * 8;
+    const __m256 tail = _mm256_castsi256_ps(lane_mask(len - last)), lowest = _mm256_set1_ps(-INFINITY);
+    __m256 largest = lowest;
+    for (int64_t t = 0; t <= last; t += 8) {
+        const __m256 s = _mm256_loadu_ps(scores + t);
+        largest = _mm256_max_ps(largest, t == last ? _mm256_blendv_ps(lowest, s, tail) : s);
+    }
+    const __m256 shift = _mm256_set1_ps(hmax(largest)), factor = _mm256_set1_ps(scale);
     __m256 sums = _mm256_setzero_ps();
-    int64_t t = 0;
-    for (; t + 8 <= len; t += 8) {
-        const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(scores + t), shift));
+    for (int64_t t = 0; t <= last; t += 8) {
+        __m256 e = exp_nonpositive(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(scores + t), shift), factor));
+        if (t == last) e = _mm256_and_ps(e, tail);
         _mm256_storeu_ps(scores + t, e);
         sums = _mm256_add_ps(sums, e);
     }
-    float rest[8] = {0};
-    for (int64_t i = 0; t + i < len; i++) rest[i] = scores[t + i] - largest;
-    const __m256 e = exp_nonpositive(_mm256_loadu_ps(rest));
-    _mm256_storeu_ps(rest, e);
-    for (int64_t i = 0; t + i < len; i++) {
-        scores[t + i] = rest[i];
-        total += rest[i];
-    }
-    total += hsum(sums);
-    const float inverse = 1.0f / total;
-    for (t = 0; t < len; t++) scores[t] *= inverse;
+    const __m256 inverse = _mm256_set1_ps(1.0f / hsum(sums));
+    for (int64_t t = 0; t <= last; t += 8) _mm256_storeu_ps(scores + t, _mm256_mul_ps(_mm256_loadu_ps(scores + t), inverse));
 }
 
 #define INLINE static inline __attribute__((always_inline))
 #define CHUNK 8
+
+/* The last vector of a chunk: under the mask where the head size is not a multiple of 8 (a
+ * masked load costs more than a plain one, and cannot be folded into the FMA). */
+INLINE __m256 load_last(const float *p, __m256i tail, const int masked) {
+    return masked ? _mm256_maskload_ps(p, tail) : _mm256_loadu_ps(p);
+}
 
 /* Lane i of the result: the sum of v[i]'s lanes. */
 static inline __m256 sum_lanes_8(const __m256 v[8]) {
@@ -130,17 +140,17 @@ static inline __m256 sum_lanes_8(const __m256 v[8]) {
 /* scores[t] (+)= q . keys[t][offset ...] over one chunk of `vectors` (constant) vectors, the last
  * under `tail`, for t < len rounded up to 8 (keys past len point at a real row). */
 INLINE void chunk_scores(const float *q, const float *const *keys, int64_t len, int64_t offset, __m256i tail,
-                         int accumulate, int fetch, float *scores, const int vectors) {
+                         int accumulate, int fetch, float *scores, const int vectors, const int masked) {
     __m256 qv[CHUNK];
     for (int i = 0; i < vectors - 1; i++) qv[i] = _mm256_loadu_ps(q + 8 * i);
-    qv[vectors - 1] = _mm256_maskload_ps(q + 8 * (vectors - 1), tail);
+    qv[vectors - 1] = load_last(q + 8 * (vectors - 1), tail, masked);
     for (int64_t t0 = 0; t0 < len; t0 += 8) {
         if (fetch && t0 + 8 < len)
             for (int t = 0; t < 8; t++) prefetch_floats(keys[t0 + 8 + t] + offset, 8 * vectors);
         __m256 acc[8];
         for (int t = 0; t < 8; t++) {
             const float *key = keys[t0 + t] + offset;
-            __m256 a = _mm256_mul_ps(qv[vectors - 1], _mm256_maskload_ps(key + 8 * (vectors - 1), tail));
+            __m256 a = _mm256_mul_ps(qv[vectors - 1], load_last(key + 8 * (vectors - 1), tail, masked));
             for (int i = 0; i < vectors - 1; i++) a = _mm256_fmadd_ps(qv[i], _mm256_loadu_ps(key + 8 * i), a);
             acc[t] = a;
         }
@@ -152,7 +162,7 @@ INLINE void chunk_scores(const float *q, const float *const *keys, int64_t len, 
 
 /* out[offset ...] = sum over t < len of p[t] * values[t][offset ...], one chunk. */
 INLINE void chunk_values(const float *p, const float *const *values, int64_t len, int64_t offset, __m256i tail,
-                         int fetch, float *out, const int vectors) {
+                         int fetch, float *out, const int vectors, const int masked) {
     __m256 acc[CHUNK];
     for (int i = 0; i < vectors; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t t = 0; t < len; t++) {
@@ -160,10 +170,13 @@ INLINE void chunk_values(const float *p, const float *const *values, int64_t len
         const __m256 pt = _mm256_broadcast_ss(p + t);
         const float *value = values[t] + offset;
         for (int i = 0; i < vectors - 1; i++) acc[i] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(value + 8 * i), acc[i]);
-        acc[vectors - 1] = _mm256_fmadd_ps(pt, _mm256_maskload_ps(value + 8 * (vectors - 1), tail), acc[vectors - 1]);
+        acc[vectors - 1] = _mm256_fmadd_ps(pt, load_last(value + 8 * (vectors - 1), tail, masked), acc[vectors - 1]);
     }
     for (int i = 0; i < vectors - 1; i++) _mm256_storeu_ps(out + offset + 8 * i, acc[i]);
-    _mm256_maskstore_ps(out + offset + 8 * (vectors - 1), tail, acc[vectors - 1]);
+    if (masked)
+        _mm256_maskstore_ps(out + offset + 8 * (vectors - 1), tail, acc[vectors - 1]);
+    else
+        _mm256_storeu_ps(out + offset + 8 * (vectors - 1), acc[vectors - 1]);
 }
 
 /* `statement` with VECTORS a constant equal to `vectors` (1..CHUNK). */
@@ -177,6 +190,16 @@ INLINE void chunk_values(const float *p, const float *const *values, int64_t len
     case 6: { const int VECTORS = 6; statement; } break;                                                 \
     case 7: { const int VECTORS = 7; statement; } break;                                                 \
     default: { const int VECTORS = 8; statement; } break;                                                \
+    }
+
+/* `statement` with VECTORS and MASKED constants equal to `vectors` and `masked` (0 or 1). */
+#define FOR_CHUNK(vectors, masked, statement)                                                             \
+    if (masked) {                                                                                         \
+        const int MASKED = 1;                                                                             \
+        FOR_VECTORS(vectors, statement)                                                                   \
+    } else {                                                                                              \
+        const int MASKED = 0;                                                                             \
+        FOR_VECTORS(vectors, statement)                                                                   \
     }
 
 /* Pointers to the request's rows of one KV head: in place in a float32 cache, else widened into
@@ -225,21 +248,17 @@ void srv_decode_attention(const float *q, const void *k_cache, const void *v_cac
                 for (int64_t offset = 0; offset < d; offset += 8 * CHUNK) {
                     const int64_t left = d - offset, vectors = left >= 8 * CHUNK ? CHUNK : (left + 7) / 8;
                     const __m256i tail = lane_mask(left - 8 * (vectors - 1));
-                    FOR_VECTORS(vectors, chunk_scores(qb + g * d + offset, (const float *const *)rows, padded, offset,
-                                                      tail, offset > 0, g == 0, scores + g * padded, VECTORS))
+                    FOR_CHUNK(vectors, left % 8, chunk_scores(qb + g * d + offset, (const float *const *)rows, padded, offset,
+                                                      tail, offset > 0, g == 0, scores + g * padded, VECTORS, MASKED))
                 }
-            for (int64_t g = 0; g < group; g++) {
-                float *sg = scores + g * padded;
-                for (int64_t t = 0; t < len; t++) sg[t] *= scale;
-                softmax(sg, len);
-            }
+            for (int64_t g = 0; g < group; g++) softmax(scores + g * padded, len, scale);
             head_rows(v_cache, kv_format, slots, len, kv_heads, kvh, d, widened, rows);
             for (int64_t g = 0; g < group; g++)
                 for (int64_t offset = 0; offset < d; offset += 8 * CHUNK) {
                     const int64_t left = d - offset, vectors = left >= 8 * CHUNK ? CHUNK : (left + 7) / 8;
                     const __m256i tail = lane_mask(left - 8 * (vectors - 1));
-                    FOR_VECTORS(vectors, chunk_values(scores + g * padded, (const float *const *)rows, len, offset, tail,
-                                                      g == 0, ob + g * d, VECTORS))
+                    FOR_CHUNK(vectors, left % 8, chunk_values(scores + g * padded, (const float *const *)rows, len, offset, tail,
+                                                      g == 0, ob + g * d, VECTORS, MASKED))
                 }
         }
         free(scores);
