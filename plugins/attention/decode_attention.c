@@ -122,6 +122,10 @@ static void softmax(float *scores, int64_t len, float scale) {
 
 #define INLINE static inline __attribute__((always_inline))
 #define CHUNK 8
+/* Tokens a block: the query heads of a KV head take turns on a block of its rows (16 KB at
+ * head size 64) while it is in L1, rather than each streaming every row from L2. Batch 16 at
+ * 700 tokens of context: 31 ms a step (30 layers) against 36; 32 and 128 did no better. */
+#define TOKEN_BLOCK 64
 
 /* The last vector of a chunk: under the mask where the head size is not a multiple of 8 (a
  * masked load costs more than a plain one, and cannot be folded into the FMA). */
@@ -160,11 +164,12 @@ INLINE void chunk_scores(const float *q, const float *const *keys, int64_t len, 
     }
 }
 
-/* out[offset ...] = sum over t < len of p[t] * values[t][offset ...], one chunk. */
+/* out[offset ...] (+)= sum over t < len of p[t] * values[t][offset ...], one chunk. */
 INLINE void chunk_values(const float *p, const float *const *values, int64_t len, int64_t offset, __m256i tail,
-                         int fetch, float *out, const int vectors, const int masked) {
+                         int accumulate, int fetch, float *out, const int vectors, const int masked) {
     __m256 acc[CHUNK];
-    for (int i = 0; i < vectors; i++) acc[i] = _mm256_setzero_ps();
+    for (int i = 0; i < vectors - 1; i++) acc[i] = accumulate ? _mm256_loadu_ps(out + offset + 8 * i) : _mm256_setzero_ps();
+    acc[vectors - 1] = accumulate ? load_last(out + offset + 8 * (vectors - 1), tail, masked) : _mm256_setzero_ps();
     for (int64_t t = 0; t < len; t++) {
         if (fetch && t + PREFETCH_AHEAD < len) prefetch_floats(values[t + PREFETCH_AHEAD] + offset, 8 * vectors);
         const __m256 pt = _mm256_broadcast_ss(p + t);
@@ -243,23 +248,31 @@ void srv_decode_attention(const float *q, const void *k_cache, const void *v_cac
             const int64_t *slots = kv_slots + b * stride;
             const float *qb = q + (b * heads + kvh * group) * d;
             float *ob = out + (b * heads + kvh * group) * d;
+            const float *const *row = (const float *const *)rows;
             head_rows(k_cache, kv_format, slots, len, kv_heads, kvh, d, widened, rows);
-            for (int64_t g = 0; g < group; g++)
-                for (int64_t offset = 0; offset < d; offset += 8 * CHUNK) {
-                    const int64_t left = d - offset, vectors = left >= 8 * CHUNK ? CHUNK : (left + 7) / 8;
-                    const __m256i tail = lane_mask(left - 8 * (vectors - 1));
-                    FOR_CHUNK(vectors, left % 8, chunk_scores(qb + g * d + offset, (const float *const *)rows, padded, offset,
-                                                      tail, offset > 0, g == 0, scores + g * padded, VECTORS, MASKED))
-                }
+            for (int64_t t0 = 0; t0 < padded; t0 += TOKEN_BLOCK) {
+                const int64_t count = padded - t0 < TOKEN_BLOCK ? padded - t0 : TOKEN_BLOCK;
+                for (int64_t g = 0; g < group; g++)
+                    for (int64_t offset = 0; offset < d; offset += 8 * CHUNK) {
+                        const int64_t left = d - offset, vectors = left >= 8 * CHUNK ? CHUNK : (left + 7) / 8;
+                        const __m256i tail = lane_mask(left - 8 * (vectors - 1));
+                        FOR_CHUNK(vectors, left % 8, chunk_scores(qb + g * d + offset, row + t0, count, offset, tail,
+                                                                  offset > 0, g == 0, scores + g * padded + t0,
+                                                                  VECTORS, MASKED))
+                    }
+            }
             for (int64_t g = 0; g < group; g++) softmax(scores + g * padded, len, scale);
             head_rows(v_cache, kv_format, slots, len, kv_heads, kvh, d, widened, rows);
-            for (int64_t g = 0; g < group; g++)
-                for (int64_t offset = 0; offset < d; offset += 8 * CHUNK) {
-                    const int64_t left = d - offset, vectors = left >= 8 * CHUNK ? CHUNK : (left + 7) / 8;
-                    const __m256i tail = lane_mask(left - 8 * (vectors - 1));
-                    FOR_CHUNK(vectors, left % 8, chunk_values(scores + g * padded, (const float *const *)rows, len, offset, tail,
-                                                      g == 0, ob + g * d, VECTORS, MASKED))
-                }
+            for (int64_t t0 = 0; t0 < len; t0 += TOKEN_BLOCK) {
+                const int64_t count = len - t0 < TOKEN_BLOCK ? len - t0 : TOKEN_BLOCK;
+                for (int64_t g = 0; g < group; g++)
+                    for (int64_t offset = 0; offset < d; offset += 8 * CHUNK) {
+                        const int64_t left = d - offset, vectors = left >= 8 * CHUNK ? CHUNK : (left + 7) / 8;
+                        const __m256i tail = lane_mask(left - 8 * (vectors - 1));
+                        FOR_CHUNK(vectors, left % 8, chunk_values(scores + g * padded + t0, row + t0, count, offset,
+                                                                  tail, t0 > 0, g == 0, ob + g * d, VECTORS, MASKED))
+                    }
+            }
         }
         free(scores);
         free(rows);

@@ -17,6 +17,7 @@ from srv.sdk.testing.registry import create
 BATCHES = {
     "prefill": ([0, 0, 0], [7, 1, 19]),
     "decode": ([5, 1, 33, 16], [1, 1, 1, 1]),
+    "long_decode": ([150, 64, 71], [1, 1, 1]),   # contexts over a kernel's block of 64 tokens
     "prefix_hits": ([16, 3, 40], [9, 17, 2]),
     "mixed": ([0, 12, 7, 0, 30, 1], [13, 1, 5, 1, 1, 16]),
 }
