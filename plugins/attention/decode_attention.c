@@ -207,6 +207,14 @@ INLINE void chunk_values(const float *p, const float *const *values, int64_t len
         FOR_VECTORS(vectors, statement)                                                                   \
     }
 
+/* `statement` for each chunk of a head of size d: `offset`, `tail`, VECTORS and MASKED set. */
+#define FOR_EACH_CHUNK(d, statement)                                                                      \
+    for (int64_t offset = 0; offset < (d); offset += 8 * CHUNK) {                                         \
+        const int64_t left = (d) - offset, vectors = left >= 8 * CHUNK ? CHUNK : (left + 7) / 8;          \
+        const __m256i tail = lane_mask(left - 8 * (vectors - 1));                                         \
+        FOR_CHUNK(vectors, left % 8, statement)                                                           \
+    }
+
 /* Pointers to the request's rows of one KV head: in place in a float32 cache, else widened into
  * `widened` [len][d]; entries from len up to a multiple of 8 repeat row 0. Rows are scattered
  * over the cache, so each is fetched some tokens ahead. */
@@ -253,25 +261,16 @@ void srv_decode_attention(const float *q, const void *k_cache, const void *v_cac
             for (int64_t t0 = 0; t0 < padded; t0 += TOKEN_BLOCK) {
                 const int64_t count = padded - t0 < TOKEN_BLOCK ? padded - t0 : TOKEN_BLOCK;
                 for (int64_t g = 0; g < group; g++)
-                    for (int64_t offset = 0; offset < d; offset += 8 * CHUNK) {
-                        const int64_t left = d - offset, vectors = left >= 8 * CHUNK ? CHUNK : (left + 7) / 8;
-                        const __m256i tail = lane_mask(left - 8 * (vectors - 1));
-                        FOR_CHUNK(vectors, left % 8, chunk_scores(qb + g * d + offset, row + t0, count, offset, tail,
-                                                                  offset > 0, g == 0, scores + g * padded + t0,
-                                                                  VECTORS, MASKED))
-                    }
+                    FOR_EACH_CHUNK(d, chunk_scores(qb + g * d + offset, row + t0, count, offset, tail, offset > 0,
+                                                   g == 0, scores + g * padded + t0, VECTORS, MASKED))
             }
             for (int64_t g = 0; g < group; g++) softmax(scores + g * padded, len, scale);
             head_rows(v_cache, kv_format, slots, len, kv_heads, kvh, d, widened, rows);
             for (int64_t t0 = 0; t0 < len; t0 += TOKEN_BLOCK) {
                 const int64_t count = len - t0 < TOKEN_BLOCK ? len - t0 : TOKEN_BLOCK;
                 for (int64_t g = 0; g < group; g++)
-                    for (int64_t offset = 0; offset < d; offset += 8 * CHUNK) {
-                        const int64_t left = d - offset, vectors = left >= 8 * CHUNK ? CHUNK : (left + 7) / 8;
-                        const __m256i tail = lane_mask(left - 8 * (vectors - 1));
-                        FOR_CHUNK(vectors, left % 8, chunk_values(scores + g * padded + t0, row + t0, count, offset,
-                                                                  tail, t0 > 0, g == 0, ob + g * d, VECTORS, MASKED))
-                    }
+                    FOR_EACH_CHUNK(d, chunk_values(scores + g * padded + t0, row + t0, count, offset, tail, t0 > 0,
+                                                   g == 0, ob + g * d, VECTORS, MASKED))
             }
         }
         free(scores);

@@ -38,9 +38,10 @@ logger = logging.getLogger("srv.quantization")
 
 GROUP = 32
 # Rows from which the dense copy computes the product, by the served dtype. float32, measured
-# on AVX2 (SmolLM2's shapes, all of the model's products, oneDNN's packed float32 for the dense
-# copy): the kernels take 32-42 ms against 47 at 16 rows and 108 against 132 at 64, tie at 128
-# and lose at 256 (570 against 506); the dense copy reads 4 bytes a weight, the kernels 6 bits.
+# on AVX2 by `python -m benchmarks.kernels` (one decode step's products on SmolLM2's shapes,
+# oneDNN's prepacked float32 for the dense copy): the kernels take 41 ms against 64 at 16 rows,
+# 129-142 against 148-164 at 64 and 199 against 214 at 112; the dense copy wins from 128 (270
+# against 295). The dense copy reads 4 bytes a weight, the kernels 6 bits.
 # bf16 and float16 keep the earlier crossover of 32: on AMX, bf16 dense products run several
 # times faster than float32 ones, and the kernels' float32 products would change the served
 # dtype's arithmetic for whole prefills.

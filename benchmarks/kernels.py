@@ -1,0 +1,117 @@
+"""`python -m benchmarks.kernels`: srv's CPU decode kernels on the default model's shapes, with
+every layer's data distinct (as in a forward pass, where nothing stays in cache from one layer
+to the next), interleaved and best of several repetitions (this kind of VM is noisy).
+
+- GGUF products: one decode step's linear layers (every decoder layer's four products and the
+  vocabulary head) with Q4_1 / Q8_0 weights, on the C kernels and on the dense float32 copy
+  (oneDNN, prepacked), at each row count: where `DENSE_FROM_FLOAT32_ROWS` comes from.
+- Decode attention: one step's attention (every layer) on a float32 KV cache, at each batch
+  size and context length, each request's slots contiguous.
+
+Figures are milliseconds a step; BENCHMARKS.md's notes quote them with this command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import torch
+
+from srv.engine.default_model import default_model_path
+from srv.plugins.attention.padded_sdpa import KV_FORMATS, kernels as attention_kernels
+from srv.plugins.models.loaders import GGUFLoader
+from srv.plugins.models.packed_linear import PackedLinear
+from srv.plugins.quantization.gguf import GROUP, Q4_1Weight, Q8_0Weight
+from srv.sdk.models import ModelConfig
+
+
+def best_ms(runs: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Each run's best time over `repeats` rounds, the runs interleaved within a round."""
+    best = {name: float("inf") for name in runs}
+    for _ in range(repeats):
+        for name, run in runs.items():
+            started = time.perf_counter()
+            run()
+            best[name] = min(best[name], (time.perf_counter() - started) * 1e3)
+    return best
+
+
+def linear_shapes(config: ModelConfig) -> list[tuple[int, int]]:
+    """(out, in) of one decoder layer's products as srv fuses them: qkv, o, gate-up, down."""
+    head_dim = config.hidden_size // config.num_attention_heads
+    qkv = (config.num_attention_heads + 2 * config.num_key_value_heads) * head_dim
+    return [(qkv, config.hidden_size), (config.hidden_size, config.hidden_size),
+            (2 * config.intermediate_size, config.hidden_size), (config.hidden_size, config.intermediate_size)]
+
+
+def gguf_products(config: ModelConfig, rows: list[int], repeats: int) -> None:
+    generator = torch.Generator().manual_seed(0)
+    layers = []
+    for n, k in linear_shapes(config) * config.num_hidden_layers:
+        q = torch.randint(0, 16, (n, k), generator=generator)
+        scale = torch.rand(n, k // GROUP, generator=generator) * 0.01
+        low = -torch.rand(n, k // GROUP, generator=generator) * 0.05
+        dense = (q.float().view(n, -1, GROUP) * scale[..., None] + low[..., None]).view(n, k)
+        layers.append((Q4_1Weight.from_blocks(q, scale, low), PackedLinear(dense, None)))
+    q8 = torch.randint(-127, 128, (config.vocab_size, config.hidden_size), generator=generator)
+    scale8 = torch.rand(config.vocab_size, config.hidden_size // GROUP, generator=generator) * 0.001
+    head_dense = (q8.float().view(config.vocab_size, -1, GROUP) * scale8[..., None]).view(q8.shape)
+    layers.append((Q8_0Weight.from_blocks(q8, scale8), PackedLinear(head_dense, None)))
+    print("| rows | C kernels | dense float32 copy |\n| ---: | ---: | ---: |")
+    for m in rows:
+        inputs = {k: torch.randn(m, k, generator=generator) for k in {w.in_features for w, _ in layers}}
+
+        def kernels() -> None:
+            for weight, _ in layers:
+                weight.matmul(inputs[weight.in_features])
+
+        def dense() -> None:
+            for weight, packed in layers:
+                packed(inputs[weight.in_features])
+
+        with torch.inference_mode():
+            best = best_ms({"kernels": kernels, "dense": dense}, repeats)
+        print(f"| {m} | {best['kernels']:.1f} ms | {best['dense']:.1f} ms |", flush=True)
+
+
+def decode_attention(config: ModelConfig, batches: list[int], contexts: list[int], repeats: int) -> None:
+    library = attention_kernels()
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    head_dim = config.hidden_size // heads
+    print("| batch | context | decode attention |\n| ---: | ---: | ---: |")
+    for batch in batches:
+        for context in contexts:
+            slots = torch.arange(batch * context).view(batch, context)
+            seq_lens = torch.full((batch,), context, dtype=torch.int64)
+            q = torch.randn(batch, heads, head_dim)
+            out = torch.empty_like(q)
+            caches = [(torch.randn(batch * context, kv_heads, head_dim), torch.randn(batch * context, kv_heads, head_dim))
+                      for _ in range(config.num_hidden_layers)]
+
+            def step() -> None:
+                for k, v in caches:
+                    library.srv_decode_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), KV_FORMATS[k.dtype],
+                                                 slots.data_ptr(), context, seq_lens.data_ptr(), batch, heads,
+                                                 kv_heads, head_dim, head_dim ** -0.5, out.data_ptr())
+
+            print(f"| {batch} | {context} | {best_ms({'step': step}, repeats)['step']:.1f} ms |", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.kernels", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 32, 64, 128, 256])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[170, 700])
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args()
+    config = ModelConfig.read(GGUFLoader().prepare(default_model_path()))
+    print(f"torch threads: {torch.get_num_threads()}\n\nGGUF products, one decode step:")
+    gguf_products(config, args.rows, args.repeats)
+    print("\nDecode attention, one step:")
+    decode_attention(config, args.batches, args.contexts, args.repeats)
+
+
+if __name__ == "__main__":
+    main()
