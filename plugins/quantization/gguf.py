@@ -38,7 +38,7 @@ logger = logging.getLogger("srv.quantization")
 
 GROUP = 32
 # Rows from which the dense copy computes the product, by the served dtype. float32, measured
-# on AVX2 by `python -m benchmarks.kernels` (one decode step's products on SmolLM2's shapes,
+# on AVX2 by `python -m benchmarks.decode_kernels` (one decode step's products on SmolLM2's shapes,
 # oneDNN's prepacked float32 for the dense copy): the kernels take 41 ms against 64 at 16 rows,
 # 129-142 against 148-164 at 64 and 199 against 214 at 112; the dense copy wins from 128 (270
 # against 295). The dense copy reads 4 bytes a weight, the kernels 6 bits.

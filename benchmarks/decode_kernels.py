@@ -1,4 +1,4 @@
-"""`python -m benchmarks.kernels`: srv's CPU decode kernels on the default model's shapes, with
+"""`python -m benchmarks.decode_kernels`: srv's CPU decode kernels on the default model's shapes, with
 every layer's data distinct (as in a forward pass, where nothing stays in cache from one layer
 to the next), interleaved and best of several repetitions (this kind of VM is noisy).
 
@@ -8,7 +8,9 @@ to the next), interleaved and best of several repetitions (this kind of VM is no
 - Decode attention: one step's attention (every layer) on a float32 KV cache, at each batch
   size and context length, each request's slots contiguous.
 
-Figures are milliseconds a step; BENCHMARKS.md's notes quote them with this command.
+Figures are milliseconds a step; BENCHMARKS.md's notes quote them with this command. (Not
+named `kernels`: hf_peer.py runs with this folder on its path, and transformers imports a
+package of that name when it finds one.)
 """
 
 from __future__ import annotations
@@ -100,7 +102,7 @@ def decode_attention(config: ModelConfig, batches: list[int], contexts: list[int
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.kernels", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.decode_kernels", description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 32, 64, 128, 256])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--contexts", type=int, nargs="+", default=[170, 700])
