@@ -89,8 +89,8 @@ def decode_attention(config: ModelConfig, batches: list[int], contexts: list[int
             seq_lens = torch.full((batch,), context, dtype=torch.int64)
             q = torch.randn(batch, heads, head_dim)
             out = torch.empty_like(q)
-            caches = [(torch.randn(batch * context, kv_heads, head_dim), torch.randn(batch * context, kv_heads, head_dim))
-                      for _ in range(config.num_hidden_layers)]
+            shape = (batch * context, kv_heads, head_dim)
+            caches = [(torch.randn(shape), torch.randn(shape)) for _ in range(config.num_hidden_layers)]
 
             def step() -> None:
                 for k, v in caches:
@@ -102,7 +102,8 @@ def decode_attention(config: ModelConfig, batches: list[int], contexts: list[int
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.decode_kernels", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.decode_kernels",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 32, 64, 128, 256])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--contexts", type=int, nargs="+", default=[170, 700])

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 import srv
-from srv.plugins.quantization.gguf import (DENSE_FROM_FLOAT32_ROWS, GGUFLinear, GGUFQuantization, Q4_1Weight, Q8_0Weight,
-                                           q4_1_weight, q8_0_weight, quantized_weight)
+from srv.plugins.quantization.gguf import (DENSE_FROM_FLOAT32_ROWS, GGUFLinear, GGUFQuantization, Q4_1Weight,
+                                           Q8_0Weight, q4_1_weight, q8_0_weight, quantized_weight)
 from test_sdk_testing import gguf_weight
 
 

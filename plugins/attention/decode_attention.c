@@ -117,7 +117,8 @@ static void softmax(float *scores, int64_t len, float scale) {
         sums = _mm256_add_ps(sums, e);
     }
     const __m256 inverse = _mm256_set1_ps(1.0f / hsum(sums));
-    for (int64_t t = 0; t <= last; t += 8) _mm256_storeu_ps(scores + t, _mm256_mul_ps(_mm256_loadu_ps(scores + t), inverse));
+    for (int64_t t = 0; t <= last; t += 8)
+        _mm256_storeu_ps(scores + t, _mm256_mul_ps(_mm256_loadu_ps(scores + t), inverse));
 }
 
 #define INLINE static inline __attribute__((always_inline))
@@ -168,7 +169,8 @@ INLINE void chunk_scores(const float *q, const float *const *keys, int64_t len, 
 INLINE void chunk_values(const float *p, const float *const *values, int64_t len, int64_t offset, __m256i tail,
                          int accumulate, int fetch, float *out, const int vectors, const int masked) {
     __m256 acc[CHUNK];
-    for (int i = 0; i < vectors - 1; i++) acc[i] = accumulate ? _mm256_loadu_ps(out + offset + 8 * i) : _mm256_setzero_ps();
+    for (int i = 0; i < vectors - 1; i++)
+        acc[i] = accumulate ? _mm256_loadu_ps(out + offset + 8 * i) : _mm256_setzero_ps();
     acc[vectors - 1] = accumulate ? load_last(out + offset + 8 * (vectors - 1), tail, masked) : _mm256_setzero_ps();
     for (int64_t t = 0; t < len; t++) {
         if (fetch && t + PREFETCH_AHEAD < len) prefetch_floats(values[t + PREFETCH_AHEAD] + offset, 8 * vectors);
