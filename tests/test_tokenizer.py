@@ -3,6 +3,8 @@ tokenizer_config.json settles the class (see srv.engine.tokenizer)."""
 
 from __future__ import annotations
 
+import json
+import shutil
 import subprocess
 import sys
 
@@ -45,9 +47,6 @@ def test_loading_it_does_not_import_torch(default_model_dir):
 
 def test_other_tokenizer_configs_go_through_autotokenizer(tmp_path, default_model_dir):
     """A class named in tokenizer_config.json that is not the generic backend: AutoTokenizer decides."""
-    import json
-    import shutil
-
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         shutil.copy(default_model_dir / name, tmp_path / name)
     config = json.loads((tmp_path / "tokenizer_config.json").read_text())

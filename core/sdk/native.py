@@ -5,9 +5,8 @@
 
 The shared object is cached under `kernels` in srv's cache root (`srv.sdk.paths`), or in
 $SRV_KERNEL_CACHE, keyed by the source, the flags and the compiler, so later launches load it in
-milliseconds. `-fopenmp` is
-always passed: a kernel's `#pragma omp parallel` runs in the OpenMP runtime torch has loaded,
-on torch's threads, with torch's thread count.
+milliseconds. `-fopenmp` is always passed: a kernel's `#pragma omp parallel` runs in the OpenMP
+runtime torch has loaded, on torch's threads, with torch's thread count.
 """
 
 from __future__ import annotations
