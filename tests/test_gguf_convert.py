@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import shutil
 import subprocess
 import sys
@@ -165,6 +166,9 @@ def fake_build(path: Path, out: Path) -> None:
     (out / "config.json").write_text("{}")
 
 
+real_sha256 = gguf_convert._sha256
+
+
 def key_dir(root: Path, data: bytes) -> Path:
     return root / "gguf" / hashlib.sha256(data).hexdigest()[:16]
 
@@ -206,6 +210,21 @@ def test_an_incomplete_directory_and_dead_builds_are_replaced(tmp_path, monkeypa
     assert sorted(p.name for p in final.iterdir()) == sorted(["config.json", MARKER])
     assert json.loads((final / MARKER).read_text())["sha256"] == hashlib.sha256(data).hexdigest()
     assert [p.name for p in final.parent.iterdir()] == [final.name]
+
+
+def test_the_digest_is_remembered_until_the_file_changes(tmp_path, monkeypatch):
+    source = tmp_path / "model.gguf"
+    source.write_bytes(b"first version")
+    monkeypatch.setattr(gguf_convert, "_build", fake_build)
+    hashed = []
+    monkeypatch.setattr(gguf_convert, "_sha256", lambda path: hashed.append(path) or real_sha256(path))
+    first = convert_gguf(source, cache_root=tmp_path / "cache")
+    assert convert_gguf(source, cache_root=tmp_path / "cache") == first == key_dir(tmp_path / "cache", b"first version")
+    assert len(hashed) == 1
+    source.write_bytes(b"second version")
+    os.utime(source, ns=(1, 1))
+    assert convert_gguf(source, cache_root=tmp_path / "cache") == key_dir(tmp_path / "cache", b"second version")
+    assert len(hashed) == 2
 
 
 def test_a_missing_file_is_reported(tmp_path):

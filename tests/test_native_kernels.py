@@ -1,12 +1,15 @@
-"""srv.sdk.native (C kernels built on first use, cached, errors that say why) and the Llama
-family's C norms and rotary embedding against the torch operators they replace."""
+"""srv.sdk.native (C kernels built on first use, cached, errors that say why), the Llama
+family's C norms and rotary embedding against the torch operators they replace, and its
+oneDNN-packed linear layers."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from torch.nn import functional as F
 
 import srv.plugins.models.llama as llama
+from srv.plugins.models.packed_linear import PackedLinear, can_pack
 from srv.sdk.native import NativeBuildError, load_c_library
 
 
@@ -72,3 +75,15 @@ def test_rotary_kernel_matches_torch(monkeypatch, heads, head_dim):
         torch_operators(monkeypatch)
         reference = llama.apply_rotary(x, cos, sin)
     torch.testing.assert_close(fused, reference, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.skipif(not can_pack(torch.float32), reason="needs oneDNN")
+def test_packed_linear_reorders_its_weight_at_its_first_product():
+    generator = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(96, 64, generator=generator), torch.randn(96, generator=generator)
+    x = torch.randn(3, 5, 64, generator=generator)
+    layer = PackedLinear(weight, bias)
+    assert layer.packed_weight is None
+    torch.testing.assert_close(layer(x), F.linear(x, weight, bias))
+    assert layer.packed_weight is not None and layer.weight is None
+    torch.testing.assert_close(layer(x[0]), F.linear(x[0], weight, bias))

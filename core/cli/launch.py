@@ -18,6 +18,9 @@ def main(argv: list[str]) -> int:
         print(f"srv launch: error: {exc}", file=sys.stderr)
         return 2
     args = parse_launch_args(argv, manager, registry)
+    from srv.server.scheduler_main import spawn_scheduler_process
+
+    scheduler_process = spawn_scheduler_process(args)
     from srv.server.launch import serve
 
-    return serve(args, manager, registry)
+    return serve(args, manager, registry, scheduler_process)

@@ -7,6 +7,7 @@ import asyncio
 import logging
 import signal
 from argparse import Namespace
+from multiprocessing.process import BaseProcess
 from typing import Any
 
 import uvicorn
@@ -25,21 +26,18 @@ from srv.server.scheduler_process import SchedulerProcess
 logger = logging.getLogger("srv.server")
 
 
-def serve(args: Namespace, manager: PluginManager, registry: BackendRegistry) -> int:
+def serve(args: Namespace, manager: PluginManager, registry: BackendRegistry,
+          scheduler_process: tuple[BaseProcess, str]) -> int:
+    """Serve with the scheduler process that `spawn_scheduler_process` started (early: it
+    imports torch while this process imports the HTTP stack)."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return asyncio.run(_serve(args, manager, registry))
+    return asyncio.run(_serve(args, manager, registry, scheduler_process))
 
 
-async def _serve(args: Namespace, manager: PluginManager, registry: BackendRegistry) -> int:
+async def _serve(args: Namespace, manager: PluginManager, registry: BackendRegistry,
+                 scheduler_process: tuple[BaseProcess, str]) -> int:
     log = RequestLog(args)
     model_name = args.served_model_name or args.model_path or "SmolLM2-135M-Instruct"
-    try:
-        metrics = ServerMetrics(args, model_name) if args.enable_metrics else None
-        tracer = RequestTracer(args) if args.enable_trace else None
-    except (ValueError, RuntimeError) as exc:
-        logger.error("%s", exc)
-        return 2
-    install_gc_warning(args.gc_warning_threshold_secs)
     server: uvicorn.Server | None = None
     death: list[str] = []
 
@@ -59,8 +57,16 @@ async def _serve(args: Namespace, manager: PluginManager, registry: BackendRegis
     signals: list[int] = []
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, on_signal)
-    scheduler = SchedulerProcess(args, registry, on_death)
+    scheduler = SchedulerProcess(args, registry, *scheduler_process, on_death)
+    tracer: RequestTracer | None = None
     try:
+        try:
+            metrics = ServerMetrics(args, model_name) if args.enable_metrics else None
+            tracer = RequestTracer(args) if args.enable_trace else None
+        except (ValueError, RuntimeError) as exc:
+            logger.error("%s", exc)
+            return 2
+        install_gc_warning(args.gc_warning_threshold_secs)
         try:
             frontend = await scheduler.start()
         except RuntimeError as exc:

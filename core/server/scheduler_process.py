@@ -1,7 +1,7 @@
-"""The scheduler in its own process, reached over ZMQ: the HTTP process stays responsive while
-the model computes, and a crash of either side is seen by the other.
+"""The server's side of the scheduler process, reached over ZMQ: the HTTP process stays
+responsive while the model computes, and a crash of either side is seen by the other.
 
-Main process                         scheduler process
+Main process                         scheduler process (`srv.server.scheduler_main`)
   PUSH  --- GenerateRequest, ... -->   PULL
   PULL  <-- [RequestOutput, ...] ---   PUSH
 """
@@ -10,14 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import multiprocessing
-import os
-import signal
-import tempfile
 import threading
-import time
 from argparse import Namespace
-from dataclasses import dataclass
+from multiprocessing.process import BaseProcess
 from typing import Any, Callable
 
 import zmq
@@ -26,143 +21,28 @@ import zmq.asyncio
 from srv.backend_registry import BackendRegistry
 from srv.engine.grammar import GrammarCompiler
 from srv.engine.tokenizer import import_tokenizer_modules, load_tokenizer
-from srv.engine.diagnostics import install_gc_warning
 from srv.engine.frontend import Frontend
+from srv.server.scheduler_main import ModelDirKnown, SchedulerFailed, SchedulerReady, Shutdown
 
 logger = logging.getLogger("srv.scheduler_process")
 
 
-@dataclass
-class ModelDirKnown:
-    """Sent before the weights load: the front end loads the tokenizer from it meanwhile."""
-    model_dir: str
-
-
-@dataclass
-class SchedulerReady:
-    model_dir: str
-    context_len: int
-    vocab_size: int
-    model_info: dict[str, Any]
-
-
-@dataclass
-class SchedulerFailed:
-    error: str
-
-
-class Shutdown:
-    pass
-
-
-def run_scheduler_process(args: Namespace, requests_addr: str, outputs_addr: str) -> None:
-    """Entry point of the child process."""
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logger.info("scheduler process %d started", os.getpid())
-    # Ctrl-C in a terminal, or a signal to the whole process group, reaches this process too:
-    # the server process shuts it down in order (Shutdown), or it exits once that one is gone.
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, signal.SIG_IGN)
-    install_gc_warning(args.gc_warning_threshold_secs)
-    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), name="srv-parent-watch", daemon=True).start()
-    context = zmq.Context()
-    outputs = context.socket(zmq.PUSH)
-    outputs.connect(outputs_addr)
-    requests = context.socket(zmq.PULL)
-    requests.connect(requests_addr)
-    try:
-        from srv.engine.engine import build_scheduler
-        from srv.engine.scheduler_loop import SchedulerLoop
-        from srv.plugin_manager import load_plugins
-
-        runner, scheduler = build_scheduler(args, load_plugins()[1],
-                                            lambda model_dir: outputs.send_pyobj(ModelDirKnown(str(model_dir))))
-    except Exception as exc:
-        logger.exception("the scheduler could not start")
-        outputs.send_pyobj(SchedulerFailed(f"{type(exc).__name__}: {exc}"))
-        os._exit(1)
-    config = runner.config
-    outputs.send_pyobj(SchedulerReady(str(runner.model_dir), runner.context_len, config.vocab_size, {
-        "architectures": list(getattr(config, "architectures", None) or []),
-        "dtype": str(runner.dtype).removeprefix("torch."),
-        "kv_capacity_tokens": scheduler.allocator.capacity_tokens,
-        "max_running_requests": scheduler.max_running,
-        "eos_token_ids": scheduler.eos_ids,
-    }))
-    # Only now: importing transformers beside the weights' loading slowed that by half.
-    scheduler.start_loading_tokenizer()
-    loop = SchedulerLoop(scheduler)
-    watchdog = Watchdog(args.watchdog_timeout)
-    poller = zmq.Poller()
-    poller.register(requests, zmq.POLLIN)
-    while True:
-        outs: list[Any] = []
-        timeout = 0 if loop.has_work else 100
-        while poller.poll(timeout):
-            message = requests.recv_pyobj()
-            if isinstance(message, Shutdown):
-                return
-            outs += loop.handle(message)
-            timeout = 0
-        with watchdog:
-            outs += loop.step()
-        if outs:
-            outputs.send_pyobj(outs)
-
-
-def _exit_with_parent(parent: int) -> None:
-    """A scheduler whose server was killed (SIGKILL leaves no time to shut it down) must not
-    live on holding its memory: once re-parented, it exits."""
-    while os.getppid() == parent:
-        time.sleep(1.0)
-    logger.error("the server process %d is gone; exiting", parent)
-    os._exit(4)
-
-
-class Watchdog:
-    """Ends the process when one scheduler step runs longer than --watchdog-timeout seconds:
-    a forward pass that never returns must not leave requests hanging forever."""
-
-    def __init__(self, timeout: float) -> None:
-        self.timeout = timeout
-        self.started: float | None = None
-        threading.Thread(target=self._watch, name="srv-watchdog", daemon=True).start()
-
-    def __enter__(self) -> None:
-        self.started = time.monotonic()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.started = None
-
-    def _watch(self) -> None:
-        while True:
-            time.sleep(min(1.0, self.timeout / 4))
-            started = self.started
-            if started is not None and time.monotonic() - started > self.timeout:
-                logger.error("watchdog: a scheduler step has run for more than %.0f s; exiting", self.timeout)
-                os._exit(3)
-
-
 class SchedulerProcess:
-    """Starts the scheduler process and connects a `Frontend` to it."""
+    """Connects a `Frontend` to a scheduler process that `spawn_scheduler_process` started."""
 
-    def __init__(self, args: Namespace, registry: BackendRegistry, on_death: Callable[[str], None]) -> None:
-        self.args, self.registry, self.on_death = args, registry, on_death
-        self._dir = tempfile.mkdtemp(prefix="srv-")
+    def __init__(self, args: Namespace, registry: BackendRegistry, process: BaseProcess, socket_dir: str,
+                 on_death: Callable[[str], None]) -> None:
+        self.args, self.registry, self.process, self.on_death = args, registry, process, on_death
         self._context = zmq.asyncio.Context()
         self._requests = zmq.Context.instance().socket(zmq.PUSH)
-        self._requests.bind(f"ipc://{self._dir}/requests")
+        self._requests.bind(f"ipc://{socket_dir}/requests")
         self._outputs = self._context.socket(zmq.PULL)
-        self._outputs.bind(f"ipc://{self._dir}/outputs")
-        spawn = multiprocessing.get_context("spawn")
-        self.process = spawn.Process(target=run_scheduler_process, name="srv-scheduler", daemon=True,
-                                     args=(args, f"ipc://{self._dir}/requests", f"ipc://{self._dir}/outputs"))
+        self._outputs.bind(f"ipc://{socket_dir}/outputs")
         self.frontend: Frontend | None = None
         self.ready: SchedulerReady | None = None
         self._tasks: list[asyncio.Task] = []
 
     async def start(self) -> Frontend:
-        self.process.start()
         if not self.args.skip_tokenizer_init:
             # Importing transformers' tokenizers takes seconds: done on the other core while
             # the scheduler process imports torch, not after.
@@ -216,7 +96,7 @@ class SchedulerProcess:
             task.cancel()
         if self.frontend is not None:
             self.frontend.close()
-        if self.process.is_alive():
+        if self.process.is_alive() and self.ready is not None:
             self._requests.send_pyobj(Shutdown())
             await asyncio.to_thread(self.process.join, 10)
         if self.process.is_alive():

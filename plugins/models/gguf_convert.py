@@ -60,8 +60,9 @@ def convert_gguf(gguf_path: str | os.PathLike, cache_root: str | os.PathLike | N
     path = pathlib.Path(gguf_path).expanduser().resolve()
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {path}")
-    gguf_root = pathlib.Path(cache_root or srv_cache_root()).expanduser() / "gguf"
-    digest = _sha256(path)
+    root = pathlib.Path(cache_root or srv_cache_root()).expanduser()
+    gguf_root = root / "gguf"
+    digest = _remembered_sha256(path, root / "gguf-digests")
     final = gguf_root / digest[:16]
     if _is_complete(final):
         logger.info("GGUF cache hit for %s: %s", path.name, final)
@@ -82,6 +83,29 @@ def convert_gguf(gguf_path: str | os.PathLike, cache_root: str | os.PathLike | N
         shutil.rmtree(tmp, ignore_errors=True)  # gone already unless something failed
     logger.info("GGUF conversion of %s done in %.1f s: %s", path.name, time.perf_counter() - start, final)
     return final
+
+
+def _remembered_sha256(path: pathlib.Path, memo_dir: pathlib.Path) -> str:
+    """The file's sha256, remembered under its path, inode, size and modification time: hashing
+    the default model's file took a tenth of a second of every launch."""
+    stat = path.stat()
+    key = f"{path}\0{stat.st_ino}\0{stat.st_size}\0{stat.st_mtime_ns}"
+    memo = memo_dir / hashlib.sha256(key.encode()).hexdigest()[:32]
+    try:
+        digest = memo.read_text()
+        if len(digest) == 64:
+            return digest
+    except OSError:
+        pass
+    digest = _sha256(path)
+    try:
+        memo_dir.mkdir(parents=True, exist_ok=True)
+        tmp = memo_dir / f".{memo.name}.{os.getpid()}.tmp"
+        tmp.write_text(digest)
+        os.replace(tmp, memo)
+    except OSError as exc:  # a read-only cache: the next launch hashes the file again
+        logger.warning("could not remember the sha256 of %s: %s", path, exc)
+    return digest
 
 
 def _sha256(path: pathlib.Path) -> str:

@@ -14,16 +14,23 @@ from torch import nn
 
 
 class PackedLinear(nn.Module):
+    """Reorders its weight at its first product, not when built: a layer only some batches use
+    (gguf's dense copies serve long prefills alone) costs nothing until then, and the 121
+    reorders of the default model (0.3-0.4 s) stay out of the launch."""
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
-        # oneDNN picks the blocking for this many rows. In float32 a hint of 1 made 16- and
-        # 64-row products 1.3-1.5x slower than a hint of 16 or 64, which cost one row nothing.
-        self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 64),
-                             persistent=False)
+        self.register_buffer("weight", weight.detach(), persistent=False)
+        self.register_buffer("packed_weight", None, persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed_weight is None:
+            # oneDNN picks the blocking for this many rows. In float32 a hint of 1 made 16- and
+            # 64-row products 1.3-1.5x slower than a hint of 16 or 64, which cost one row nothing.
+            self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight, 64)
+            self.weight = None
         shape = x.shape
         out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, self.in_features), self.packed_weight, self.bias,
                                                  "none", [], "")

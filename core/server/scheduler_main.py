@@ -1,0 +1,145 @@
+"""The scheduler process's side: build the scheduler, then serve the requests that arrive over
+ZMQ until told to stop. This module imports little, so that the spawned process reaches torch's
+import (about two seconds) at once; `srv.server.scheduler_process` is the server's side."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import signal
+import tempfile
+import threading
+import time
+from argparse import Namespace
+from dataclasses import dataclass
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+import zmq
+
+from srv.engine.diagnostics import install_gc_warning
+
+logger = logging.getLogger("srv.scheduler_process")
+
+
+@dataclass
+class ModelDirKnown:
+    """Sent before the weights load: the front end loads the tokenizer from it meanwhile."""
+    model_dir: str
+
+
+@dataclass
+class SchedulerReady:
+    model_dir: str
+    context_len: int
+    vocab_size: int
+    model_info: dict[str, Any]
+
+
+@dataclass
+class SchedulerFailed:
+    error: str
+
+
+class Shutdown:
+    pass
+
+
+def run_scheduler_process(args: Namespace, requests_addr: str, outputs_addr: str) -> None:
+    """Entry point of the child process."""
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logger.info("scheduler process %d started", os.getpid())
+    # Ctrl-C in a terminal, or a signal to the whole process group, reaches this process too:
+    # the server process shuts it down in order (Shutdown), or it exits once that one is gone.
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_IGN)
+    install_gc_warning(args.gc_warning_threshold_secs)
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), name="srv-parent-watch", daemon=True).start()
+    context = zmq.Context()
+    outputs = context.socket(zmq.PUSH)
+    outputs.connect(outputs_addr)
+    requests = context.socket(zmq.PULL)
+    requests.connect(requests_addr)
+    try:
+        from srv.engine.engine import build_scheduler
+        from srv.engine.scheduler_loop import SchedulerLoop
+        from srv.plugin_manager import load_plugins
+
+        runner, scheduler = build_scheduler(args, load_plugins()[1],
+                                            lambda model_dir: outputs.send_pyobj(ModelDirKnown(str(model_dir))))
+    except Exception as exc:
+        logger.exception("the scheduler could not start")
+        outputs.send_pyobj(SchedulerFailed(f"{type(exc).__name__}: {exc}"))
+        os._exit(1)
+    config = runner.config
+    outputs.send_pyobj(SchedulerReady(str(runner.model_dir), runner.context_len, config.vocab_size, {
+        "architectures": list(getattr(config, "architectures", None) or []),
+        "dtype": str(runner.dtype).removeprefix("torch."),
+        "kv_capacity_tokens": scheduler.allocator.capacity_tokens,
+        "max_running_requests": scheduler.max_running,
+        "eos_token_ids": scheduler.eos_ids,
+    }))
+    # Only now: importing transformers beside the weights' loading slowed that by half.
+    scheduler.start_loading_tokenizer()
+    loop = SchedulerLoop(scheduler)
+    watchdog = Watchdog(args.watchdog_timeout)
+    poller = zmq.Poller()
+    poller.register(requests, zmq.POLLIN)
+    while True:
+        outs: list[Any] = []
+        timeout = 0 if loop.has_work else 100
+        while poller.poll(timeout):
+            message = requests.recv_pyobj()
+            if isinstance(message, Shutdown):
+                return
+            outs += loop.handle(message)
+            timeout = 0
+        with watchdog:
+            outs += loop.step()
+        if outs:
+            outputs.send_pyobj(outs)
+
+
+def _exit_with_parent(parent: int) -> None:
+    """A scheduler whose server was killed (SIGKILL leaves no time to shut it down) must not
+    live on holding its memory: once re-parented, it exits."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    logger.error("the server process %d is gone; exiting", parent)
+    os._exit(4)
+
+
+class Watchdog:
+    """Ends the process when one scheduler step runs longer than --watchdog-timeout seconds:
+    a forward pass that never returns must not leave requests hanging forever."""
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self.started: float | None = None
+        threading.Thread(target=self._watch, name="srv-watchdog", daemon=True).start()
+
+    def __enter__(self) -> None:
+        self.started = time.monotonic()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.started = None
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(min(1.0, self.timeout / 4))
+            started = self.started
+            if started is not None and time.monotonic() - started > self.timeout:
+                logger.error("watchdog: a scheduler step has run for more than %.0f s; exiting", self.timeout)
+                os._exit(3)
+
+
+def spawn_scheduler_process(args: Namespace) -> tuple[BaseProcess, str]:
+    """Start the scheduler process; returns it and the folder of the ZMQ sockets it connects to
+    (bound later by `SchedulerProcess`: ZMQ connects whichever side comes first)."""
+    socket_dir = tempfile.mkdtemp(prefix="srv-")
+    process = multiprocessing.get_context("spawn").Process(
+        target=run_scheduler_process, name="srv-scheduler", daemon=True,
+        args=(args, f"ipc://{socket_dir}/requests", f"ipc://{socket_dir}/outputs"))
+    process.start()
+    return process, socket_dir
