@@ -1,15 +1,20 @@
 """srv.sdk.native (C kernels built on first use, cached, errors that say why), the Llama
-family's C norms and rotary embedding against the torch operators they replace, and its
-oneDNN-packed linear layers."""
+family's C norms, rotary embedding and gated activation against the torch operators they replace, and its
+oneDNN-packed linear layers, and the decode attention kernel's store into a narrower cache."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
+from torch import nn
 from torch.nn import functional as F
 
 import srv.plugins.models.llama as llama
+from srv.plugins.attention.padded_sdpa import PaddedSDPAAttention
 from srv.plugins.models.packed_linear import PackedLinear, can_pack
+from srv.sdk.testing.attention import BATCHES, make_case
 from srv.sdk.native import NativeBuildError, load_c_library
 
 
@@ -62,6 +67,34 @@ def test_rms_norm_kernel_matches_torch(monkeypatch, rows, hidden):
     torch.testing.assert_close(fused, reference, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("rows, hidden", [(1, 576), (7, 100), (3, 5)])
+def test_add_rms_norm_kernel_matches_torch(monkeypatch, rows, hidden):
+    norm = llama.RMSNorm(hidden, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(hidden))
+    x, residual = torch.randn(rows, hidden), torch.randn(rows, hidden)
+    with torch.inference_mode():
+        fused_residual = residual.clone()
+        fused, returned = norm(x, fused_residual)
+        assert returned is fused_residual      # the sum is written in place
+        torch_operators(monkeypatch)
+        reference, reference_residual = norm(x, residual)
+    torch.testing.assert_close(fused_residual, reference_residual, rtol=0, atol=0)
+    torch.testing.assert_close(fused, reference, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("rows, size", [(1, 1536), (4, 37)])
+def test_silu_mul_kernel_matches_torch(monkeypatch, rows, size):
+    mlp = llama.MLP(SimpleNamespace(hidden_size=8, intermediate_size=size))
+    gate_up = torch.randn(rows, 2 * size) * 4
+    mlp.gate_up_proj, mlp.down_proj = nn.Identity(), nn.Identity()   # the activation alone
+    with torch.inference_mode():
+        fused = mlp(gate_up)
+        torch_operators(monkeypatch)
+        reference = mlp(gate_up)
+    torch.testing.assert_close(fused, reference, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("heads, head_dim", [(12, 64), (3, 10)])
 def test_rotary_kernel_matches_torch(monkeypatch, heads, head_dim):
     assert llama.kernels() is not None
@@ -69,12 +102,14 @@ def test_rotary_kernel_matches_torch(monkeypatch, heads, head_dim):
     rotary = llama.RotaryEmbedding(head_dim, 10000.0, None)
     cos, sin = rotary(torch.tensor([0, 3, 17, 100, 4095]))
     qkv = torch.randn(tokens, (heads + 2) * head_dim)
-    x = qkv[:, :heads * head_dim].view(tokens, heads, head_dim)   # the q/k part of a fused projection
+    fused, reference = qkv.clone(), qkv.clone()
     with torch.inference_mode():
-        fused = llama.apply_rotary(x, cos, sin)
+        # in place, on the q/k part of a fused projection
+        llama.apply_rotary(fused[:, :heads * head_dim].view(tokens, heads, head_dim), cos, sin)
         torch_operators(monkeypatch)
-        reference = llama.apply_rotary(x, cos, sin)
+        llama.apply_rotary(reference[:, :heads * head_dim].view(tokens, heads, head_dim), cos, sin)
     torch.testing.assert_close(fused, reference, rtol=1e-6, atol=1e-6)
+    assert torch.equal(fused[:, heads * head_dim:], qkv[:, heads * head_dim:])
 
 
 @pytest.mark.skipif(not can_pack(torch.float32), reason="needs oneDNN")
@@ -87,3 +122,17 @@ def test_packed_linear_reorders_its_weight_at_its_first_product():
     torch.testing.assert_close(layer(x), F.linear(x, weight, bias))
     assert layer.packed_weight is not None and layer.weight is None
     torch.testing.assert_close(layer(x[0]), F.linear(x[0], weight, bias))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
+def test_decode_attention_rounds_float32_keys_into_the_cache_as_torch_does(dtype):
+    case = make_case(*BATCHES["decode"])
+    backend = PaddedSDPAAttention(case.num_heads, case.num_kv_heads, case.head_dim, case.head_dim ** -0.5)
+    batch = case.batch(backend, dtype)
+    backend.prepare(batch)
+    q, k, v = (torch.randn(t.shape) * 300 for t in case.qkv[0])
+    k[0, 0, :3] = torch.tensor([torch.finfo(torch.float32).max, 1 + 2 ** -8, -(1 + 3 * 2 ** -9)])
+    backend.forward(q, k, v, 0, batch)
+    loc = batch.out_cache_loc
+    assert torch.equal(batch.kv_cache.k_buffers[0][loc], k.to(dtype))
+    assert torch.equal(batch.kv_cache.v_buffers[0][loc], v.to(dtype))

@@ -1,10 +1,14 @@
 /* Decode attention on the KV cache in place: one query token a request, its keys and values
  * read through the request's slot table, no gathered copy.
  *
- * q [B][H][D] float32; k_cache, v_cache [slots][KVH][D], float32, bf16 or float16 (kv_format);
- * kv_slots [B][stride] int64, the first seq_lens[b] of row b are the request's tokens;
- * out [B][H][D] float32. The H / KVH query heads of a KV head read its keys and values together.
- * Threads: OpenMP over (request, KV head), in torch's runtime.
+ * q [B][H][D] float32, tokens q_stride floats apart; k_cache, v_cache [slots][KVH][D], float32,
+ * bf16 or float16 (kv_format); kv_slots [B][stride] int64, the first seq_lens[b] of row b are
+ * the request's tokens; out [B][H][D] float32. The H / KVH query heads of a KV head read its
+ * keys and values together. Threads: OpenMP over (request, KV head), in torch's runtime.
+ *
+ * With k_new and v_new ([B][KVH][D] float32, tokens new_stride floats apart), this step's keys
+ * and values are first written to the cache at new_slots, in its format: one call a layer
+ * instead of two scatters in torch, which cost more than the attention itself at one token.
  *
  * A head is taken in chunks of up to 64 values (CHUNK vectors of eight), held in registers:
  * a query chunk against eight keys at a time (eight independent dot products, summed across
@@ -37,6 +41,36 @@ static inline void widen_row(const uint16_t *src, int kv_format, int64_t d, floa
             memcpy(row + i, &bits, sizeof(float));
         } else {
             row[i] = _cvtsh_ss(src[i]);
+        }
+    }
+}
+
+/* A float32 row narrowed into the cache's format, rounding to nearest even as torch does. */
+static inline void narrow_row(const float *src, int kv_format, int64_t d, uint16_t *dst) {
+    for (int64_t i = 0; i < d; i++) {
+        if (kv_format == KV_FLOAT16) {
+            dst[i] = _cvtss_sh(src[i], _MM_FROUND_TO_NEAREST_INT);
+        } else {
+            uint32_t bits;
+            memcpy(&bits, src + i, sizeof(float));
+            const uint32_t rounded = bits + 0x7FFF + ((bits >> 16) & 1);
+            dst[i] = (uint16_t)(isnan(src[i]) ? (bits >> 16) | 0x40 : rounded >> 16);
+        }
+    }
+}
+
+static void store_new(const float *k_new, const float *v_new, int64_t new_stride, const int64_t *new_slots,
+                      void *k_cache, void *v_cache, int kv_format, int64_t batch, int64_t kv_heads, int64_t d) {
+    const int64_t width = kv_format == KV_FLOAT32 ? 4 : 2;
+    for (int64_t b = 0; b < batch; b++) {
+        const int64_t offset = new_slots[b] * kv_heads * d;
+        const float *sources[2] = {k_new + b * new_stride, v_new + b * new_stride};
+        void *caches[2] = {k_cache, v_cache};
+        for (int which = 0; which < 2; which++) {
+            if (kv_format == KV_FLOAT32)
+                memcpy((float *)caches[which] + offset, sources[which], kv_heads * d * width);
+            else
+                narrow_row(sources[which], kv_format, kv_heads * d, (uint16_t *)caches[which] + offset);
         }
     }
 }
@@ -236,9 +270,12 @@ static void head_rows(const void *cache, int kv_format, const int64_t *slots, in
     for (int64_t t = len; t % 8; t++) rows[t] = rows[0];
 }
 
-void srv_decode_attention(const float *q, const void *k_cache, const void *v_cache, int kv_format,
-                          const int64_t *kv_slots, int64_t stride, const int64_t *seq_lens, int64_t batch,
-                          int64_t heads, int64_t kv_heads, int64_t d, float scale, float *out) {
+void srv_decode_attention(const float *q, int64_t q_stride, const float *k_new, const float *v_new,
+                          int64_t new_stride, const int64_t *new_slots, void *k_cache, void *v_cache,
+                          int kv_format, const int64_t *kv_slots, int64_t stride, const int64_t *seq_lens,
+                          int64_t batch, int64_t heads, int64_t kv_heads, int64_t d, float scale, float *out) {
+    if (k_new != NULL)
+        store_new(k_new, v_new, new_stride, new_slots, k_cache, v_cache, kv_format, batch, kv_heads, d);
     const int64_t group = heads / kv_heads;
     int64_t longest = 8;
     for (int64_t b = 0; b < batch; b++) longest = seq_lens[b] > longest ? seq_lens[b] : longest;
@@ -256,7 +293,7 @@ void srv_decode_attention(const float *q, const void *k_cache, const void *v_cac
             const int64_t b = task / kv_heads, kvh = task % kv_heads, len = seq_lens[b];
             const int64_t padded = (len + 7) / 8 * 8;
             const int64_t *slots = kv_slots + b * stride;
-            const float *qb = q + (b * heads + kvh * group) * d;
+            const float *qb = q + b * q_stride + kvh * group * d;
             float *ob = out + (b * heads + kvh * group) * d;
             const float *const *row = (const float *const *)rows;
             head_rows(k_cache, kv_format, slots, len, kv_heads, kvh, d, widened, rows);

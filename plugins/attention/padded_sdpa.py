@@ -5,10 +5,10 @@ to the longest extend and keys to the longest sequence; one boolean mask carries
 the padding, so prefill chunks and decode steps mix in one call with no Python loop per
 request. In bfloat16, torch runs it on oneDNN (AMX on CPUs that have it).
 
-Decode (one new token a request): the C kernel of decode_attention.c reads each request's keys
-and values in place through its slot table, one call a layer for the whole batch. Gathering
-the cache into padded tensors and running two batched matmuls took most of a decode step's
-attention time, and grew with every token of context.
+Decode (one new token a request): the C kernel of decode_attention.c stores the step's keys and
+values, then reads each request's keys and values in place through its slot table, one call a
+layer for the whole batch. Gathering the cache into padded tensors and running two batched
+matmuls took most of a decode step's attention time, and grew with every token of context.
 """
 
 from __future__ import annotations
@@ -31,8 +31,9 @@ def kernels() -> ctypes.CDLL:
     library = load_c_library(Path(__file__).with_name("decode_attention.c"), ("-mavx2", "-mfma", "-mf16c", "-lm"))
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     library.srv_decode_attention.restype = None
-    library.srv_decode_attention.argtypes = [pointer, pointer, pointer, ctypes.c_int, pointer, size, pointer, size,
-                                             size, size, size, ctypes.c_float, pointer]
+    library.srv_decode_attention.argtypes = [pointer, size, pointer, pointer, size, pointer, pointer, pointer,
+                                             ctypes.c_int, pointer, size, pointer, size, size, size, size,
+                                             ctypes.c_float, pointer]
     return library
 
 
@@ -44,7 +45,8 @@ class PaddedSDPAAttention(AttentionBackend):
     def prepare(self, batch: ForwardBatch) -> None:
         if batch.is_decode:
             seq_lens = torch.tensor(batch.prefix_lens) + 1
-            batch.metadata["padded_sdpa"] = (seq_lens, batch.kv_slots.to(torch.int64).contiguous())
+            batch.metadata["padded_sdpa"] = (seq_lens, batch.kv_slots.to(torch.int64).contiguous(),
+                                             batch.out_cache_loc.to(torch.int64).contiguous())
             return
         extend = torch.tensor(batch.extend_lens)
         prefix = torch.tensor(batch.prefix_lens)
@@ -65,6 +67,12 @@ class PaddedSDPAAttention(AttentionBackend):
         rows = buffer.view(buffer.shape[0], -1).index_select(0, slots.reshape(-1))
         return rows.view(*slots.shape, self.num_kv_heads, self.head_dim).transpose(1, 2).to(dtype).contiguous()
 
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                batch: ForwardBatch) -> torch.Tensor:
+        if not batch.is_decode:
+            return super().forward(q, k, v, layer_id, batch)
+        return self._decode(q, layer_id, batch, (token_rows(k), token_rows(v)))
+
     def attend(self, q: torch.Tensor, layer_id: int, batch: ForwardBatch) -> torch.Tensor:
         if batch.is_decode:
             return self._decode(q, layer_id, batch)
@@ -77,13 +85,29 @@ class PaddedSDPAAttention(AttentionBackend):
                                              enable_gqa=self.num_heads != self.num_kv_heads)
         return out.transpose(1, 2)[valid_query]
 
-    def _decode(self, q: torch.Tensor, layer_id: int, batch: ForwardBatch) -> torch.Tensor:
-        seq_lens, slots = batch.metadata["padded_sdpa"]
+    def _decode(self, q: torch.Tensor, layer_id: int, batch: ForwardBatch,
+                new_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """The kernel, which also stores `new_kv` (this step's keys and values) when given."""
+        seq_lens, slots, new_slots = batch.metadata["padded_sdpa"]
         k_cache, v_cache = batch.kv_cache.k_buffers[layer_id], batch.kv_cache.v_buffers[layer_id]
-        query = q.float().contiguous()
-        out = torch.empty_like(query)
-        kernels().srv_decode_attention(query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                                       KV_FORMATS[k_cache.dtype], slots.data_ptr(), slots.stride(0),
-                                       seq_lens.data_ptr(), batch.batch_size, self.num_heads, self.num_kv_heads,
-                                       self.head_dim, self.scale, out.data_ptr())
-        return out.to(q.dtype)
+        query = token_rows(q)
+        k_new, v_new = new_kv or (None, None)
+        if k_new is not None and k_new.stride(0) != v_new.stride(0):
+            k_new, v_new = k_new.contiguous(), v_new.contiguous()
+        out = torch.empty(q.shape[0], self.num_heads, self.head_dim)
+        kernels().srv_decode_attention(query.data_ptr(), query.stride(0),
+                                       None if k_new is None else k_new.data_ptr(),
+                                       None if v_new is None else v_new.data_ptr(),
+                                       0 if k_new is None else k_new.stride(0), new_slots.data_ptr(),
+                                       k_cache.data_ptr(), v_cache.data_ptr(), KV_FORMATS[k_cache.dtype],
+                                       slots.data_ptr(), slots.stride(0), seq_lens.data_ptr(), batch.batch_size,
+                                       self.num_heads, self.num_kv_heads, self.head_dim, self.scale, out.data_ptr())
+        return out if q.dtype == torch.float32 else out.to(q.dtype)
+
+
+def token_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D] as float32 with each token's heads back to back, as the kernel reads it:
+    x itself when it already is (a view into the fused projection's output, say)."""
+    if x.dtype == torch.float32 and x.stride(2) == 1 and x.stride(1) == x.shape[2]:
+        return x
+    return x.float().contiguous()

@@ -34,7 +34,9 @@ def kernels() -> ctypes.CDLL | None:
         return None
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     library.srv_rms_norm.argtypes = [pointer, size, size, size, pointer, ctypes.c_float, pointer]
-    library.srv_rotary.argtypes = [pointer, size, size, size, size, pointer, pointer, pointer]
+    library.srv_add_rms_norm.argtypes = [pointer, pointer, size, size, pointer, ctypes.c_float, pointer]
+    library.srv_silu_mul.argtypes = [pointer, size, size, pointer]
+    library.srv_rotary.argtypes = [pointer, size, size, size, size, pointer, pointer]
     return library
 
 
@@ -49,7 +51,17 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x); with `residual`, the residual stream's step: (norm(residual + x), residual + x),
+        the sum written into `residual` where the C kernel takes the rows."""
+        if residual is not None:
+            if x.dim() == 2 and float32_rows(x) and x.is_contiguous() and residual.is_contiguous():
+                out = torch.empty(x.shape)
+                kernels().srv_add_rms_norm(residual.data_ptr(), x.data_ptr(), x.shape[0], x.shape[1],
+                                           self.weight.data_ptr(), self.eps, out.data_ptr())
+                return out, residual
+            residual = residual + x
+            return self(residual), residual
         if x.dim() == 2 and float32_rows(x):
             out = torch.empty(x.shape)
             kernels().srv_rms_norm(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), self.weight.data_ptr(),
@@ -79,16 +91,15 @@ class RotaryEmbedding(nn.Module):
         return emb.cos(), emb.sin()
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, head_dim]; cos, sin: [T, 1, head_dim]."""
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotates x [T, heads, head_dim] in place; cos, sin: [T, 1, head_dim]."""
     if float32_rows(x) and x.stride(1) == x.shape[2]:
-        out = torch.empty(x.shape)
         kernels().srv_rotary(x.data_ptr(), x.shape[0], x.shape[1], x.shape[2], x.stride(0), cos.data_ptr(),
-                             sin.data_ptr(), out.data_ptr())
-        return out
+                             sin.data_ptr())
+        return
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return (x * cos + rotated * sin).to(x.dtype)
+    x.copy_(x * cos + rotated * sin)
 
 
 class Attention(nn.Module):
@@ -108,14 +119,14 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, norm_eps(config))
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch) -> torch.Tensor:
-        qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-        qk = qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        heads = self.qkv_proj(x).view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
-        # Queries and keys rotate together: one pass of the small rotary ops instead of two.
-        q, k = apply_rotary(qk, *rotary).split([self.num_heads, self.num_kv_heads], dim=1)
+            q, k, v = heads.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
+            heads = torch.cat((self.q_norm(q), self.k_norm(k), v), dim=1)
+        # Queries and keys rotate together, in place in the projection's output: one pass of the
+        # small rotary ops instead of two, and q, k and v stay views of one tensor.
+        apply_rotary(heads[:, :self.num_heads + self.num_kv_heads], *rotary)
+        q, k, v = heads.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
         out = batch.attention.forward(q, k, v, self.layer_id, batch)
         return self.o_proj(out.reshape(-1, self.q_size))
 
@@ -128,8 +139,14 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)
+        if gate_up.dim() == 2 and float32_rows(gate_up) and gate_up.is_contiguous():
+            out = torch.empty(gate_up.shape[0], self.intermediate_size)
+            kernels().srv_silu_mul(gate_up.data_ptr(), gate_up.shape[0], self.intermediate_size, out.data_ptr())
+        else:
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            out = F.silu(gate) * up
+        return self.down_proj(out)
 
 
 class DecoderLayer(nn.Module):
@@ -140,9 +157,16 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, norm_eps(config))
         self.post_attention_layernorm = RMSNorm(config.hidden_size, norm_eps(config))
 
-    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rotary, batch)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rotary: tuple[torch.Tensor, torch.Tensor],
+                batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before it): the residual additions are
+        fused into the norms that follow them. The first layer gets the embeddings and no residual."""
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x, residual = self.post_attention_layernorm(self.self_attn(x, rotary, batch), residual)
+        return self.mlp(x), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -174,9 +198,11 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(batch.input_ids)
         rotary = self.rotary(batch.positions)
         batch.attention.prepare(batch)
+        residual = None
         for layer in self.layers:
-            x = layer(x, rotary, batch)
-        x = self.norm(x[batch.last_token_indices()])
+            x, residual = layer(x, residual, rotary, batch)
+        last = batch.last_token_indices()
+        x, _ = self.norm(x[last], residual[last])
         return self.lm_head(x).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

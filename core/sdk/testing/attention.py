@@ -163,22 +163,26 @@ class AttentionBackendKit:
             assert out.dtype == dtype, f"forward returned {out.dtype} for {dtype} inputs"
             assert torch.isfinite(out).all(), "forward returned non-finite values"
 
-    def test_forward_stores_new_kv_at_out_cache_loc(self) -> None:
-        """forward stores this step's k and v at out_cache_loc, and nowhere else.
+    @pytest.mark.parametrize("kind", ["mixed", "decode"])
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
+                             ids=["float32", "bfloat16", "float16"])
+    def test_forward_stores_new_kv_at_out_cache_loc(self, kind: str, dtype: torch.dtype) -> None:
+        """forward stores this step's k and v at out_cache_loc, in the cache's dtype, and nowhere else.
 
         That is AttentionBackend.forward's contract; q, k and v must not be modified either."""
-        case = make_case(*BATCHES["mixed"])
-        originals = [tuple(t.clone() for t in qkv) for qkv in case.qkv]
-        _, batch = run(self.make_backend(case.num_heads, case.num_kv_heads, case.head_dim), case, torch.float32)
+        case = make_case(*BATCHES[kind], dtype=dtype)
+        originals = [tuple(t.to(dtype, copy=True) for t in qkv) for qkv in case.qkv]
+        _, batch = run(self.make_backend(case.num_heads, case.num_kv_heads, case.head_dim), case, dtype)
         others = torch.ones(case.k_buffers[0].shape[0], dtype=torch.bool)
         others[case.out_cache_loc] = False
-        for layer, (q, k, v) in enumerate(case.qkv):
+        for layer, (q, k, v) in enumerate(originals):
             for name, new, before, after in (("k", k, case.k_buffers[layer], batch.kv_cache.k_buffers[layer]),
                                              ("v", v, case.v_buffers[layer], batch.kv_cache.v_buffers[layer])):
                 assert torch.equal(after[case.out_cache_loc], new), f"layer {layer}: {name} not stored at out_cache_loc"
-                assert torch.equal(after[others], before[others]), \
+                assert torch.equal(after[others], before[others].to(dtype)), \
                     f"layer {layer}: {name} written outside out_cache_loc"
-            assert all(torch.equal(a, b) for a, b in zip((q, k, v), originals[layer])), "forward modified q, k or v"
+            assert all(torch.equal(a.to(dtype), b) for a, b in zip(case.qkv[layer], originals[layer])), \
+                "forward modified q, k or v"
 
     def test_prepare_once_then_layers_and_batches_reuse_one_backend(self) -> None:
         """One backend serves every batch: prepare once per batch, then forward per layer.
