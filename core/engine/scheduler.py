@@ -380,6 +380,8 @@ class Scheduler:
         self.stats.forward_steps += 1
         return logits
 
+    # The logits are the model's output, made under inference mode: grammars mask them in place.
+    @torch.inference_mode()
     def _process(self, batch: list[tuple[Req, int]], logits: torch.Tensor) -> list[Req]:
         complete = [i for i, (req, _) in enumerate(batch) if req.kv_len == req.seq_len]
         # max_new_tokens=0 only fills the cache (the prompt of an n > 1 request): nothing to sample.
@@ -394,7 +396,8 @@ class Scheduler:
         reqs = [batch[i][0] for i in ready]
         sampling = SamplingBatch([r.params for r in reqs], [r.token_ids for r in reqs],
                                  [r.prompt_len for r in reqs], self.eos_ids)
-        logits = logits[ready]
+        if len(ready) < len(batch):
+            logits = logits[ready]
         self._apply_grammars(reqs, logits)
         out = self.runner.sampler.sample(logits, sampling)
         tokens = out.next_token_ids.tolist()

@@ -28,7 +28,8 @@ SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCaus
 def kernels() -> ctypes.CDLL | None:
     """llama_kernels.c for float32 rows, or None without a C compiler (torch's operators then)."""
     try:
-        library = load_c_library(Path(__file__).with_name("llama_kernels.c"), ("-ffp-contract=off", "-lm"))
+        library = load_c_library(Path(__file__).with_name("llama_kernels.c"),
+                                  ("-ffp-contract=off", "-fno-trapping-math", "-lm"))
     except NativeBuildError as exc:
         logger.warning("%s; the model runs its norms and rotary embedding on torch's operators", exc)
         return None

@@ -172,7 +172,11 @@ class PyTorchSampler(Sampler):
             raise ValueError(f"logits must be [batch={len(batch)}, vocab], got {tuple(logits.shape)}")
         params = batch.params
         dev = logits.device
-        x = logits.to(torch.float32, copy=True)
+        # A copy only for the penalties, which write into it: the logprobs are the model's own. At 64
+        # rows, copying every step's logits cost more than the argmax.
+        adjusted = any(p.logit_bias or p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0
+                       or p.presence_penalty != 0.0 or p.min_new_tokens > 0 for p in params)
+        x = logits.to(torch.float32, copy=adjusted)
 
         self._apply_logit_bias(x, params)
         self._apply_repetition_penalty(x, batch)
