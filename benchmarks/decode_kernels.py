@@ -87,16 +87,20 @@ def decode_attention(config: ModelConfig, batches: list[int], contexts: list[int
         for context in contexts:
             slots = torch.arange(batch * context).view(batch, context)
             seq_lens = torch.full((batch,), context, dtype=torch.int64)
+            new_slots = slots[:, -1].contiguous()   # the step's own token, stored by the kernel
             q = torch.randn(batch, heads, head_dim)
+            k_new, v_new = torch.randn(batch, kv_heads, head_dim), torch.randn(batch, kv_heads, head_dim)
             out = torch.empty_like(q)
             shape = (batch * context, kv_heads, head_dim)
             caches = [(torch.randn(shape), torch.randn(shape)) for _ in range(config.num_hidden_layers)]
 
             def step() -> None:
                 for k, v in caches:
-                    library.srv_decode_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), KV_FORMATS[k.dtype],
-                                                 slots.data_ptr(), context, seq_lens.data_ptr(), batch, heads,
-                                                 kv_heads, head_dim, head_dim ** -0.5, out.data_ptr())
+                    library.srv_decode_attention(q.data_ptr(), q.stride(0), k_new.data_ptr(), v_new.data_ptr(),
+                                                 k_new.stride(0), new_slots.data_ptr(), k.data_ptr(), v.data_ptr(),
+                                                 KV_FORMATS[k.dtype], slots.data_ptr(), context,
+                                                 seq_lens.data_ptr(), batch, heads, kv_heads, head_dim,
+                                                 head_dim ** -0.5, out.data_ptr())
 
             print(f"| {batch} | {context} | {best_ms({'step': step}, repeats)['step']:.1f} ms |", flush=True)
 

@@ -1,8 +1,10 @@
 """The benchmark harness's pieces that need no peer: workloads, medians and ratios, the report,
-the plot, the results file and the machine-limit measurements (tiny sizes, no timing checks)."""
+the plot, the results file, the machine-limit measurements and the decode-kernel timer (tiny
+sizes, no timing checks)."""
 
 from __future__ import annotations
 
+import subprocess
 import sys
 
 import pytest
@@ -140,3 +142,13 @@ def test_results_round_trip_through_json(tmp_path):
     results = fake_results()
     results.save(tmp_path / "results.json")
     assert BenchResults.load(tmp_path / "results.json") == results
+
+
+def test_decode_kernels_run_on_the_default_model_with_tiny_sizes():
+    """`python -m benchmarks.decode_kernels` calls the kernels directly, so a change of their C
+    signatures must show here (no timing checks)."""
+    result = subprocess.run([sys.executable, "-m", "benchmarks.decode_kernels", "--rows", "1", "--batches", "2",
+                             "--contexts", "9", "--repeats", "1"], cwd=ROOT, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "| 1 |" in result.stdout and "| 2 | 9 |" in result.stdout
