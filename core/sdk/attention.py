@@ -79,6 +79,12 @@ class AttentionBackend(ABC):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 batch: ForwardBatch) -> torch.Tensor:
+        """Store k and v at `batch.out_cache_loc`, in the cache's dtype, then `attend`.
+
+        A backend may override it to store inside its own kernel (intel_amx does for decode:
+        two scatters a layer cost more than the attention at one token). q, k and v may be views
+        of one projection's output and must not be modified; the kit's store test checks that
+        and the stored values, for every cache dtype."""
         batch.kv_cache.store(layer_id, batch.out_cache_loc, k, v)
         return self.attend(q, layer_id, batch)
 
