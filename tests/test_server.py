@@ -61,11 +61,11 @@ def assert_gone(pids: set[int]) -> None:
 
 
 class Server:
-    def __init__(self, *flags: str) -> None:
+    def __init__(self, *flags: str, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         # One torch thread: the test client shares this 2-core machine with the server.
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
         self.process = subprocess.Popen([sys.executable, "-m", "srv", "launch", "--port", str(self.port),
                                          "--dtype", "float32", *flags], env=env,
                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -403,12 +403,14 @@ def test_scheduler_death_fails_requests_and_exits_non_zero(tmp_path):
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_signals_shut_down_cleanly_with_no_orphans(signum):
-    server = Server("--skip-server-warmup")
+def test_signals_shut_down_cleanly_with_no_orphans(signum, tmp_path):
+    server = Server("--skip-server-warmup", env={"TMPDIR": str(tmp_path)})
     children = descendants(server.process.pid)
     assert children
+    assert [p.name for p in tmp_path.glob("srv-*/*")] != []    # the ZMQ sockets' folder
     assert server.stop(signum) == 0
     assert_gone(children)
+    assert list(tmp_path.glob("srv-*")) == []
 
 
 HANGING_ATTENTION = """

@@ -7,7 +7,6 @@ import asyncio
 import logging
 import signal
 from argparse import Namespace
-from multiprocessing.process import BaseProcess
 from typing import Any
 
 import uvicorn
@@ -21,13 +20,14 @@ from srv.engine.diagnostics import install_gc_warning
 from srv.server.metrics import ServerMetrics
 from srv.server.tracing import RequestTracer
 from srv.server.request_log import RequestLog
+from srv.server.scheduler_main import SpawnedScheduler
 from srv.server.scheduler_process import SchedulerProcess
 
 logger = logging.getLogger("srv.server")
 
 
 def serve(args: Namespace, manager: PluginManager, registry: BackendRegistry,
-          scheduler_process: tuple[BaseProcess, str]) -> int:
+          scheduler_process: SpawnedScheduler) -> int:
     """Serve with the scheduler process that `spawn_scheduler_process` started (early: it
     imports torch while this process imports the HTTP stack)."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -35,7 +35,7 @@ def serve(args: Namespace, manager: PluginManager, registry: BackendRegistry,
 
 
 async def _serve(args: Namespace, manager: PluginManager, registry: BackendRegistry,
-                 scheduler_process: tuple[BaseProcess, str]) -> int:
+                 scheduler_process: SpawnedScheduler) -> int:
     log = RequestLog(args)
     model_name = args.served_model_name or args.model_path or "SmolLM2-135M-Instruct"
     server: uvicorn.Server | None = None
@@ -57,7 +57,7 @@ async def _serve(args: Namespace, manager: PluginManager, registry: BackendRegis
     signals: list[int] = []
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, on_signal)
-    scheduler = SchedulerProcess(args, registry, *scheduler_process, on_death)
+    scheduler = SchedulerProcess(args, registry, scheduler_process, on_death)
     tracer: RequestTracer | None = None
     try:
         try:

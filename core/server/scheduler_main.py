@@ -134,12 +134,18 @@ class Watchdog:
                 os._exit(3)
 
 
-def spawn_scheduler_process(args: Namespace) -> tuple[BaseProcess, str]:
-    """Start the scheduler process; returns it and the folder of the ZMQ sockets it connects to
-    (bound later by `SchedulerProcess`: ZMQ connects whichever side comes first)."""
+@dataclass
+class SpawnedScheduler:
+    """A started scheduler process and the folder of the ZMQ sockets it connects to, which
+    `SchedulerProcess` binds (ZMQ connects whichever side comes first) and removes at shutdown."""
+    process: BaseProcess
+    socket_dir: str
+
+
+def spawn_scheduler_process(args: Namespace) -> SpawnedScheduler:
     socket_dir = tempfile.mkdtemp(prefix="srv-")
     process = multiprocessing.get_context("spawn").Process(
         target=run_scheduler_process, name="srv-scheduler", daemon=True,
         args=(args, f"ipc://{socket_dir}/requests", f"ipc://{socket_dir}/outputs"))
     process.start()
-    return process, socket_dir
+    return SpawnedScheduler(process, socket_dir)

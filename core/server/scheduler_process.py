@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
 import threading
 from argparse import Namespace
-from multiprocessing.process import BaseProcess
 from typing import Any, Callable
 
 import zmq
@@ -22,7 +22,7 @@ from srv.backend_registry import BackendRegistry
 from srv.engine.grammar import GrammarCompiler
 from srv.engine.tokenizer import import_tokenizer_modules, load_tokenizer
 from srv.engine.frontend import Frontend
-from srv.server.scheduler_main import ModelDirKnown, SchedulerFailed, SchedulerReady, Shutdown
+from srv.server.scheduler_main import ModelDirKnown, SchedulerFailed, SchedulerReady, Shutdown, SpawnedScheduler
 
 logger = logging.getLogger("srv.scheduler_process")
 
@@ -30,14 +30,15 @@ logger = logging.getLogger("srv.scheduler_process")
 class SchedulerProcess:
     """Connects a `Frontend` to a scheduler process that `spawn_scheduler_process` started."""
 
-    def __init__(self, args: Namespace, registry: BackendRegistry, process: BaseProcess, socket_dir: str,
+    def __init__(self, args: Namespace, registry: BackendRegistry, spawned: SpawnedScheduler,
                  on_death: Callable[[str], None]) -> None:
-        self.args, self.registry, self.process, self.on_death = args, registry, process, on_death
+        self.args, self.registry, self.on_death = args, registry, on_death
+        self.process, self._socket_dir = spawned.process, spawned.socket_dir
         self._context = zmq.asyncio.Context()
         self._requests = zmq.Context.instance().socket(zmq.PUSH)
-        self._requests.bind(f"ipc://{socket_dir}/requests")
+        self._requests.bind(f"ipc://{self._socket_dir}/requests")
         self._outputs = self._context.socket(zmq.PULL)
-        self._outputs.bind(f"ipc://{socket_dir}/outputs")
+        self._outputs.bind(f"ipc://{self._socket_dir}/outputs")
         self.frontend: Frontend | None = None
         self.ready: SchedulerReady | None = None
         self._tasks: list[asyncio.Task] = []
@@ -104,3 +105,4 @@ class SchedulerProcess:
             self.process.join()
         self._requests.close(linger=0)
         self._outputs.close(linger=0)
+        shutil.rmtree(self._socket_dir, ignore_errors=True)

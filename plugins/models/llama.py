@@ -31,7 +31,7 @@ def kernels() -> ctypes.CDLL | None:
         library = load_c_library(Path(__file__).with_name("llama_kernels.c"),
                                   ("-ffp-contract=off", "-fno-trapping-math", "-lm"))
     except NativeBuildError as exc:
-        logger.warning("%s; the model runs its norms and rotary embedding on torch's operators", exc)
+        logger.warning("%s; the model runs its norms, rotary embedding and activation on torch's operators", exc)
         return None
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     library.srv_rms_norm.argtypes = [pointer, size, size, size, pointer, ctypes.c_float, pointer]
