@@ -1,6 +1,7 @@
-"""srv.sdk.native (C kernels built on first use, cached, errors that say why), the Llama
-family's C norms, rotary embedding and gated activation against the torch operators they replace, and its
-oneDNN-packed linear layers, and the decode attention kernel's store into a narrower cache."""
+"""srv.sdk.native (C kernels built on first use, cached, errors that say why), srv.sdk.paths'
+atomic writes, the Llama family's C norms, rotary embedding and gated activation against the
+torch operators they replace, its oneDNN-packed linear layers, and the decode attention
+kernel's store into a narrower cache."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from srv.plugins.attention.padded_sdpa import PaddedSDPAAttention
 from srv.plugins.models.packed_linear import PackedLinear, can_pack
 from srv.sdk.testing.attention import BATCHES, make_case
 from srv.sdk.native import NativeBuildError, load_c_library
+from srv.sdk.paths import write_atomically
 
 
 def test_a_kernel_compiles_once_and_loads_from_the_cache(tmp_path, monkeypatch):
@@ -38,6 +40,22 @@ def test_a_source_that_does_not_compile_says_why(tmp_path, monkeypatch):
     with pytest.raises(NativeBuildError, match="broken.c"):
         load_c_library(source)
     assert not list((tmp_path / "cache").iterdir())   # nothing half-built is left to load
+
+
+def test_write_atomically_replaces_whole_files_and_leaves_nothing_on_failure(tmp_path):
+    target = tmp_path / "cache" / "entry.bin"
+    write_atomically(target, lambda tmp: tmp.write_bytes(b"first"))
+    write_atomically(target, lambda tmp: tmp.write_bytes(b"second"), mode=0o644)
+    assert target.read_bytes() == b"second" and target.stat().st_mode & 0o777 == 0o644
+
+    def half_then_fail(tmp):
+        tmp.write_bytes(b"half")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        write_atomically(target, half_then_fail)
+    assert target.read_bytes() == b"second"
+    assert [p.name for p in target.parent.iterdir()] == ["entry.bin"]
 
 
 def test_no_compiler_is_a_clear_error(tmp_path, monkeypatch):

@@ -18,10 +18,9 @@ import logging
 import os
 import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
-from srv.sdk.paths import cache_root
+from srv.sdk.paths import cache_root, write_atomically
 
 logger = logging.getLogger("srv.native")
 
@@ -50,13 +49,11 @@ def load_c_library(source: Path, flags: tuple[str, ...] = ()) -> ctypes.CDLL:
     key = hashlib.sha256("\0".join([source.read_text(), *command]).encode()).hexdigest()[:16]
     target = cache_dir() / f"{source.stem}-{key}.so"
     if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        # Built beside the target and renamed: a concurrent process never loads half a file.
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            built = Path(tmp) / target.name
-            result = subprocess.run([*command, str(source), "-o", str(built)], capture_output=True, text=True)
+        def build(output: Path) -> None:
+            result = subprocess.run([*command, str(source), "-o", str(output)], capture_output=True, text=True)
             if result.returncode != 0:
                 raise NativeBuildError(f"{' '.join(command)} {source} failed:\n{result.stderr.strip()}")
-            built.replace(target)
+
+        write_atomically(target, build)   # a concurrent process never loads half a file
         logger.info("compiled %s into %s", source.name, target)
     return ctypes.CDLL(str(target))

@@ -24,7 +24,7 @@ import tempfile
 import time
 from typing import Any
 
-from srv.sdk.paths import cache_root as srv_cache_root
+from srv.sdk.paths import cache_root as srv_cache_root, write_atomically
 
 logger = logging.getLogger("srv.plugins.models.gguf")
 
@@ -99,10 +99,7 @@ def _remembered_sha256(path: pathlib.Path, memo_dir: pathlib.Path) -> str:
         pass
     digest = _sha256(path)
     try:
-        memo_dir.mkdir(parents=True, exist_ok=True)
-        tmp = memo_dir / f".{memo.name}.{os.getpid()}.tmp"
-        tmp.write_text(digest)
-        os.replace(tmp, memo)
+        write_atomically(memo, lambda tmp: tmp.write_text(digest))
     except OSError as exc:  # a read-only cache: the next launch hashes the file again
         logger.warning("could not remember the sha256 of %s: %s", path, exc)
     return digest

@@ -21,7 +21,6 @@ import functools
 import hashlib
 import json
 import logging
-import os
 from abc import ABC, abstractmethod
 from pathlib import Path
 
@@ -31,7 +30,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from srv.sdk.native import load_c_library
-from srv.sdk.paths import cache_root
+from srv.sdk.paths import cache_root, write_atomically
 from srv.sdk.quantization import QuantizationMethod
 
 logger = logging.getLogger("srv.quantization")
@@ -271,15 +270,9 @@ def write_weights(path: Path, weights: dict[str, BlockWeight | None]) -> None:
     tensors = {f"{name}.{field}": tensor for name, weight in weights.items() if weight is not None
                for field, tensor in weight.tensors().items()}
     formats = {name: None if weight is None else weight.FORMAT for name, weight in weights.items()}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # Written beside the target and renamed: a concurrent launch never reads half a file.
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        save_file(tensors, str(tmp), metadata={"formats": json.dumps(formats)})
-        os.chmod(tmp, 0o644)  # the cache may be shared; safetensors writes files private
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    # Readable by all: the cache may be shared, and safetensors writes files private.
+    write_atomically(path, lambda tmp: save_file(tensors, str(tmp), metadata={"formats": json.dumps(formats)}),
+                     mode=0o644)
 
 
 def read_weights(path: Path) -> dict[str, BlockWeight | None]:
