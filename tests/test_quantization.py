@@ -91,6 +91,46 @@ def test_default_model_serves_every_linear_layer_from_its_gguf_blocks():
         assert result["meta_info"]["completion_tokens"] == 8
 
 
+def test_decode_layers_run_in_one_native_call_with_the_python_layers_results(monkeypatch):
+    """In float32, a decode step's layers run in C (srv_decode_layers), calling the kernels the
+    Python layers call, in the same order: the same logits to the bit, step after step, for a
+    batch of ragged contexts (the model driven directly, so that both see the same batches)."""
+    from srv.plugins.models.llama import LlamaForCausalLM
+
+    native_steps = []
+    decode_natively = LlamaForCausalLM._decode_natively
+
+    def counted(self, x, rotary, batch):
+        residual = decode_natively(self, x, rotary, batch)
+        native_steps.append(residual is not None)
+        return residual
+
+    monkeypatch.setattr(LlamaForCausalLM, "_decode_natively", counted)
+    with srv.Engine(quantization="gguf", dtype="float32") as engine:
+        runner = engine.runner
+        prompts = [engine.tokenizer.encode(p) for p in ("The capital of France is", "def fibonacci(n):", "Hi")]
+        base = runner.kv_cache.k_buffers[0].shape[0] - 512   # slots no request of the engine holds
+        slots = [torch.arange(base + 100 * i, base + 100 * (i + 1)) for i in range(len(prompts))]
+        lens = [len(p) for p in prompts]
+        logits = runner.forward(torch.tensor([t for p in prompts for t in p]),
+                                torch.cat([torch.arange(n) for n in lens]),
+                                torch.cat([s[:n] for s, n in zip(slots, lens)]),
+                                torch.stack([s[:max(lens)] for s in slots]), [0] * len(prompts), lens)
+        for step in range(4):
+            tokens = logits.argmax(-1)
+            kv_slots = torch.stack([s[:max(lens) + 1] for s in slots])
+            for i, n in enumerate(lens):
+                kv_slots[i, n + 1:] = 0
+            args = (tokens, torch.tensor(lens), torch.stack([s[n] for s, n in zip(slots, lens)]), kv_slots, lens,
+                    [1] * len(prompts))
+            logits = runner.forward(*args)
+            monkeypatch.setattr(LlamaForCausalLM, "_decode_natively", lambda self, x, rotary, batch: None)
+            assert torch.equal(runner.forward(*args), logits), f"decode step {step}"
+            monkeypatch.setattr(LlamaForCausalLM, "_decode_natively", counted)
+            lens = [n + 1 for n in lens]
+    assert native_steps == [False] + [True] * 4, "the decode steps did not run natively"
+
+
 def test_gguf_quantization_refuses_a_model_that_is_not_gguf(tiny_models):
     with pytest.raises(ValueError, match="--quantization gguf serves a .gguf file"):
         srv.Engine(model_path=str(tiny_models["llama"]), quantization="gguf")

@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from srv.sdk.native import NativeKernel
+
 
 class KVCache:
     """Keys and values of every cached token, one buffer per layer, indexed by slot.
@@ -87,6 +89,14 @@ class AttentionBackend(ABC):
         and the stored values, for every cache dtype."""
         batch.kv_cache.store(layer_id, batch.out_cache_loc, k, v)
         return self.attend(q, layer_id, batch)
+
+    def native_decode(self, batch: ForwardBatch) -> NativeKernel | None:
+        """This decode batch's `forward` as a C kernel (`srv.sdk.native.NativeKernel`), or None.
+
+        Called after `prepare`, by a model that runs its decode layers in C; it calls the
+        kernel for every layer. With None (the default) the model calls `forward`. The kit
+        checks that both store and return the same, to the bit."""
+        return None
 
     @abstractmethod
     def attend(self, q: torch.Tensor, layer_id: int, batch: ForwardBatch) -> torch.Tensor:

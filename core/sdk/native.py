@@ -3,6 +3,9 @@
     library = load_c_library(Path(__file__).with_name("kernels.c"), ["-mavx2", "-mfma"])
     library.my_kernel(x.data_ptr(), ...)
 
+`NativeKernel` hands a kernel from one plugin to another (a quantized layer's product, a decode
+attention) so that a model can call it from C.
+
 The shared object is cached under `kernels` in srv's cache root (`srv.sdk.paths`), or in
 $SRV_KERNEL_CACHE, keyed by the source, the flags and the compiler, so later launches load it in
 milliseconds. `-fopenmp` is always passed: a kernel's `#pragma omp parallel` runs in the OpenMP
@@ -20,7 +23,12 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 from srv.sdk.paths import cache_root, write_atomically
+
+if TYPE_CHECKING:   # torch is imported where a kernel is called: availability checks import this module
+    import torch
 
 logger = logging.getLogger("srv.native")
 
@@ -57,3 +65,67 @@ def load_c_library(source: Path, flags: tuple[str, ...] = ()) -> ctypes.CDLL:
         write_atomically(target, build)   # a concurrent process never loads half a file
         logger.info("compiled %s into %s", source.name, target)
     return ctypes.CDLL(str(target))
+
+
+class NativeKernel(ctypes.Structure):
+    """A C function and the context it is called with, handed from one plugin to another.
+
+    With them a model runs its decode layers in one C call, where Python called every product
+    and every attention (a dozen calls a layer: a third of a single-stream decode step of the
+    default model). Two kinds, each with its C signature:
+
+    - a linear layer's (`native_linear` of a quantized module): y [rows][out] = x [rows][in] W^T,
+      float32 rows back to back:
+      `void f(const void *context, const float *x, int64_t rows, float *y)`;
+    - a decode step's attention (`AttentionBackend.native_decode`): stores the step's keys and
+      values in layer `layer`'s cache, then writes each token's attention over it to `out`
+      [tokens][heads * head_dim], float32; q, k and v are float32 rows, `q_stride` and `kv_stride`
+      floats apart, each row's heads back to back:
+      `void f(const void *context, int64_t layer, const float *q, int64_t q_stride,
+      const float *k, const float *v, int64_t kv_stride, float *out)`.
+
+    `context` points into memory the giver keeps alive as long as the kernel may be called.
+    `call_linear` and `call_decode_attention` call them from Python (the kits do).
+    """
+
+    _fields_ = [("function", ctypes.c_void_p), ("context", ctypes.c_void_p)]
+
+    @classmethod
+    def of(cls, function: ctypes._CFuncPtr, context: ctypes.Structure) -> NativeKernel:
+        """A kernel from a function of a loaded library and its context structure."""
+        return cls(ctypes.cast(function, ctypes.c_void_p).value, ctypes.addressof(context))
+
+
+_LINEAR = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p)
+_DECODE_ATTENTION = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                                     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p)
+
+
+def call_linear(kernel: NativeKernel, x: torch.Tensor, out_features: int) -> torch.Tensor:
+    """A linear layer's kernel on x [rows, in_features], float32 and contiguous."""
+    import torch
+
+    if x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous():
+        raise ValueError("a native linear kernel takes contiguous float32 rows")
+    y = torch.empty(x.shape[0], out_features)
+    _LINEAR(kernel.function)(kernel.context, x.data_ptr(), x.shape[0], y.data_ptr())
+    return y
+
+
+def call_decode_attention(kernel: NativeKernel, layer: int, q: torch.Tensor, k: torch.Tensor,
+                          v: torch.Tensor) -> torch.Tensor:
+    """A decode attention kernel on one layer; returns [tokens, heads, head_dim].
+
+    q [tokens, heads, head_dim], k and v [tokens, kv_heads, head_dim]: float32, each token's
+    heads back to back."""
+    import torch
+
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dtype != torch.float32 or t.stride(2) != 1 or t.stride(1) != t.shape[2]:
+            raise ValueError(f"{name}: a native decode attention kernel takes float32 rows of back-to-back heads")
+    if k.stride(0) != v.stride(0):
+        raise ValueError("k and v must have the same row stride")
+    out = torch.empty(q.shape)
+    _DECODE_ATTENTION(kernel.function)(kernel.context, layer, q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(),
+                                       k.stride(0), out.data_ptr())
+    return out

@@ -6,6 +6,11 @@ The model is then cast to the served dtype (`Module.to` casts parameters and buf
 quantized data that must not be cast as plain attributes) and handed to the model
 implementation's `finalize`. A replacement may keep an `nn.Linear` inside it (a dense copy for
 large batches, say); `finalize` repacks that one like any other.
+
+A replacement may also offer `native_linear(rows) -> srv.sdk.native.NativeKernel | None`: a C
+kernel computing its float32 forward for batches of `rows` rows, to the bit. A model that has
+one for every product of its layers runs its decode steps' layers in C (srv's Llama does). The
+kit checks that kernel against `forward`.
 """
 
 from __future__ import annotations

@@ -317,3 +317,21 @@ void srv_decode_attention(const float *q, int64_t q_stride, const float *k_new, 
         free(widened);
     }
 }
+
+/* srv_decode_attention as srv.sdk.native.NativeKernel calls it, the step's metadata in the
+ * context (set once a step by the backend's native_decode). */
+typedef struct {
+    void *const *k_caches, *const *v_caches; /* one a layer */
+    int64_t kv_format;
+    const int64_t *new_slots, *kv_slots, *seq_lens;
+    int64_t kv_slots_stride, batch, heads, kv_heads, d;
+    float scale;
+} DecodeContext;
+
+void srv_decode_attention_layer(const void *context, int64_t layer, const float *q, int64_t q_stride,
+                                const float *k, const float *v, int64_t kv_stride, float *out) {
+    const DecodeContext *c = context;
+    srv_decode_attention(q, q_stride, k, v, kv_stride, c->new_slots, c->k_caches[layer], c->v_caches[layer],
+                         (int)c->kv_format, c->kv_slots, c->kv_slots_stride, c->seq_lens, c->batch, c->heads,
+                         c->kv_heads, c->d, c->scale, out);
+}

@@ -21,7 +21,7 @@ import torch
 from torch.nn import functional as F
 
 from srv.sdk.attention import AttentionBackend, ForwardBatch
-from srv.sdk.native import load_c_library
+from srv.sdk.native import NativeKernel, load_c_library
 
 KV_FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -37,10 +37,20 @@ def kernels() -> ctypes.CDLL:
     return library
 
 
+class DecodeContext(ctypes.Structure):
+    """What srv_decode_attention_layer reads: the caches of every layer and the step's metadata."""
+    _fields_ = [("k_caches", ctypes.c_void_p), ("v_caches", ctypes.c_void_p), ("kv_format", ctypes.c_int64),
+                ("new_slots", ctypes.c_void_p), ("kv_slots", ctypes.c_void_p), ("seq_lens", ctypes.c_void_p),
+                ("kv_slots_stride", ctypes.c_int64), ("batch", ctypes.c_int64), ("heads", ctypes.c_int64),
+                ("kv_heads", ctypes.c_int64), ("d", ctypes.c_int64), ("scale", ctypes.c_float)]
+
+
 class PaddedSDPAAttention(AttentionBackend):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, scale)
         kernels()   # a compiler error now, at launch, rather than at the first decode step
+        # The layers' cache addresses for srv_decode_attention_layer, per list of buffers.
+        self.cache_addresses: tuple[list[torch.Tensor], list[torch.Tensor], ctypes.Array, ctypes.Array] | None = None
 
     def prepare(self, batch: ForwardBatch) -> None:
         if batch.is_decode:
@@ -72,6 +82,23 @@ class PaddedSDPAAttention(AttentionBackend):
         if not batch.is_decode:
             return super().forward(q, k, v, layer_id, batch)
         return self._decode(q, layer_id, batch, (token_rows(k), token_rows(v)))
+
+    def native_decode(self, batch: ForwardBatch) -> NativeKernel | None:
+        if not batch.is_decode:
+            return None
+        seq_lens, slots, new_slots = batch.metadata["padded_sdpa"]
+        cache = batch.kv_cache
+        known = self.cache_addresses
+        if known is None or known[0] is not cache.k_buffers or known[1] is not cache.v_buffers:
+            self.cache_addresses = (cache.k_buffers, cache.v_buffers,
+                                    *((ctypes.c_void_p * len(buffers))(*(b.data_ptr() for b in buffers))
+                                      for buffers in (cache.k_buffers, cache.v_buffers)))
+        k_caches, v_caches = self.cache_addresses[2:]
+        context = DecodeContext(ctypes.addressof(k_caches), ctypes.addressof(v_caches), KV_FORMATS[cache.dtype],
+                                new_slots.data_ptr(), slots.data_ptr(), seq_lens.data_ptr(), slots.stride(0),
+                                batch.batch_size, self.num_heads, self.num_kv_heads, self.head_dim, self.scale)
+        batch.metadata["padded_sdpa_native"] = context   # alive as long as the batch
+        return NativeKernel.of(kernels().srv_decode_attention_layer, context)
 
     def attend(self, q: torch.Tensor, layer_id: int, batch: ForwardBatch) -> torch.Tensor:
         if batch.is_decode:

@@ -17,7 +17,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from srv.sdk.attention import ForwardBatch
-from srv.sdk.native import NativeBuildError, load_c_library
+from srv.sdk.native import NativeBuildError, NativeKernel, load_c_library
 
 logger = logging.getLogger("srv.models")
 
@@ -38,7 +38,20 @@ def kernels() -> ctypes.CDLL | None:
     library.srv_add_rms_norm.argtypes = [pointer, pointer, size, size, pointer, ctypes.c_float, pointer]
     library.srv_silu_mul.argtypes = [pointer, size, size, pointer]
     library.srv_rotary.argtypes = [pointer, size, size, size, size, pointer, pointer]
+    library.srv_decode_layers.argtypes = [pointer, size, pointer, pointer, pointer, pointer, pointer, pointer, size,
+                                          pointer, pointer, pointer, pointer, pointer]
     return library
+
+
+class NativeDecoderLayer(ctypes.Structure):
+    """A decoder layer as srv_decode_layers runs it: its products' kernels and its norms' weights."""
+    _fields_ = [("qkv", NativeKernel), ("o", NativeKernel), ("gate_up", NativeKernel), ("down", NativeKernel),
+                ("input_norm", ctypes.c_void_p), ("post_attention_norm", ctypes.c_void_p)]
+
+
+class LayerShapes(ctypes.Structure):
+    _fields_ = [("hidden", ctypes.c_int64), ("heads", ctypes.c_int64), ("kv_heads", ctypes.c_int64),
+                ("head_dim", ctypes.c_int64), ("intermediate", ctypes.c_int64), ("eps", ctypes.c_float)]
 
 
 def float32_rows(x: torch.Tensor) -> bool:
@@ -193,18 +206,65 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         attention = self.layers[0].self_attn
         self.rotary = RotaryEmbedding(attention.head_dim, *rope_settings(config))
+        self.shapes = LayerShapes(config.hidden_size, attention.num_heads, attention.num_kv_heads, attention.head_dim,
+                                  config.intermediate_size, norm_eps(config))
+        # Per batch size: the layers as srv_decode_layers runs them, or None where one lacks a kernel.
+        self.native_layers: dict[int, ctypes.Array | None] = {}
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         x = self.embed_tokens(batch.input_ids)
         rotary = self.rotary(batch.positions)
         batch.attention.prepare(batch)
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(x, residual, rotary, batch)
+        residual = self._decode_natively(x, rotary, batch)
+        if residual is None:
+            for layer in self.layers:
+                x, residual = layer(x, residual, rotary, batch)
         last = batch.last_token_indices()
         x, _ = self.norm(x[last], residual[last])
         return self.lm_head(x).float()
+
+    def _decode_natively(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor],
+                         batch: ForwardBatch) -> torch.Tensor | None:
+        """A decode step's layers in one C call, when every product and the attention have a
+        kernel (srv.sdk.native.NativeKernel): x becomes the last layer's output, and the residual
+        stream is returned. The Python layers call the same kernels in the same order; one call
+        saves the dozen Python calls a layer costs."""
+        if not batch.is_decode or x.dtype != torch.float32:
+            return None
+        rows = x.shape[0]
+        if rows not in self.native_layers:
+            self.native_layers[rows] = self._native_layers(rows)
+        layers = self.native_layers[rows]
+        attention = None if layers is None else batch.attention.native_decode(batch)
+        if attention is None:
+            return None
+        shapes = self.shapes
+        residual = torch.empty_like(x)
+        scratch = [torch.empty(rows, size) for size in (
+            (shapes.heads + 2 * shapes.kv_heads) * shapes.head_dim, shapes.heads * shapes.head_dim, shapes.hidden,
+            2 * shapes.intermediate, shapes.intermediate)]
+        cos, sin = rotary
+        kernels().srv_decode_layers(ctypes.addressof(layers), len(layers), ctypes.addressof(shapes),
+                                    ctypes.addressof(attention), cos.data_ptr(), sin.data_ptr(), x.data_ptr(),
+                                    residual.data_ptr(), rows, *(t.data_ptr() for t in scratch))
+        return residual
+
+    def _native_layers(self, rows: int) -> ctypes.Array | None:
+        if kernels() is None:
+            return None
+        layers = []
+        for layer in self.layers:
+            attention, mlp = layer.self_attn, layer.mlp
+            if attention.qk_norm:
+                return None
+            products = [getattr(module, "native_linear", lambda rows: None)(rows) for module in
+                        (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+            if None in products:
+                return None
+            layers.append(NativeDecoderLayer(*products, layer.input_layernorm.weight.data_ptr(),
+                                             layer.post_attention_layernorm.weight.data_ptr()))
+        return (NativeDecoderLayer * len(layers))(*layers)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters())

@@ -89,3 +89,58 @@ void srv_rotary(float *x, int64_t tokens, int64_t heads, int64_t d, int64_t stri
         }
     }
 }
+
+/* A kernel another plugin hands over (srv.sdk.native.NativeKernel): a quantized linear layer's
+ * product, or a decode step's attention. */
+typedef struct {
+    const void *function;
+    const void *context;
+} NativeKernel;
+
+typedef void (*LinearFunction)(const void *context, const float *x, int64_t rows, float *y);
+typedef void (*DecodeAttentionFunction)(const void *context, int64_t layer, const float *q, int64_t q_stride,
+                                        const float *k, const float *v, int64_t kv_stride, float *out);
+
+static inline void linear(const NativeKernel *kernel, const float *x, int64_t rows, float *y) {
+    ((LinearFunction)kernel->function)(kernel->context, x, rows, y);
+}
+
+typedef struct {
+    NativeKernel qkv, o, gate_up, down;
+    const float *input_norm, *post_attention_norm;
+} DecoderLayer;
+
+typedef struct {
+    int64_t hidden, heads, kv_heads, head_dim, intermediate;
+    float eps;
+} LayerShapes;
+
+/* Every decoder layer of a decode step, as DecoderLayer.forward runs them one by one: the same
+ * kernels in the same order on the same buffers, so the results are the same to the bit.
+ * x [rows][hidden]: the embeddings in, the last layer's MLP output out; residual: the residual
+ * stream before that output. The rest is scratch, float32 rows: qkv [heads + 2 kv_heads][head_dim],
+ * attention [heads][head_dim], normed [hidden], gate_up [2 intermediate], activation [intermediate]. */
+void srv_decode_layers(const DecoderLayer *layers, int64_t count, const LayerShapes *shape,
+                       const NativeKernel *attention, const float *cos, const float *sin, float *x, float *residual,
+                       int64_t rows, float *qkv, float *attended, float *normed, float *gate_up, float *activation) {
+    const int64_t hidden = shape->hidden, d = shape->head_dim;
+    const int64_t q_size = shape->heads * d, kv_size = shape->kv_heads * d, qkv_size = q_size + 2 * kv_size;
+    const DecodeAttentionFunction attend = (DecodeAttentionFunction)attention->function;
+    for (int64_t l = 0; l < count; l++) {
+        const DecoderLayer *layer = layers + l;
+        if (l == 0) {
+            memcpy(residual, x, (size_t)(rows * hidden) * sizeof(float));
+            srv_rms_norm(x, rows, hidden, hidden, layer->input_norm, shape->eps, normed);
+        } else {
+            srv_add_rms_norm(residual, x, rows, hidden, layer->input_norm, shape->eps, normed);
+        }
+        linear(&layer->qkv, normed, rows, qkv);
+        srv_rotary(qkv, rows, shape->heads + shape->kv_heads, d, qkv_size, cos, sin);
+        attend(attention->context, l, qkv, qkv_size, qkv + q_size, qkv + q_size + kv_size, qkv_size, attended);
+        linear(&layer->o, attended, rows, x);
+        srv_add_rms_norm(residual, x, rows, hidden, layer->post_attention_norm, shape->eps, normed);
+        linear(&layer->gate_up, normed, rows, gate_up);
+        srv_silu_mul(gate_up, rows, shape->intermediate, activation);
+        linear(&layer->down, activation, rows, x);
+    }
+}

@@ -29,7 +29,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from srv.sdk.native import load_c_library
+from srv.sdk.native import NativeKernel, load_c_library
 from srv.sdk.paths import cache_root, write_atomically
 from srv.sdk.quantization import QuantizationMethod
 
@@ -62,6 +62,12 @@ def kernels() -> ctypes.CDLL:
     return library
 
 
+class LinearContext(ctypes.Structure):
+    """What srv_gguf_linear reads: a layer's format (0 Q4_1, 1 Q8_0), shape and weights."""
+    _fields_ = [("format", ctypes.c_int64), ("in_features", ctypes.c_int64), ("out_features", ctypes.c_int64),
+                ("data", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("min", ctypes.c_void_p)]
+
+
 def pointers(*tensors: torch.Tensor) -> tuple[ctypes.c_void_p, ...]:
     """The tensors' addresses as ctypes arguments: converted once, not at every call."""
     return tuple(ctypes.c_void_p(t.data_ptr()) for t in tensors)
@@ -72,6 +78,7 @@ class BlockWeight(ABC):
     also the constructor's arguments."""
 
     FORMAT: str
+    FORMAT_ID: int   # the format in gguf_kernels.c's LinearContext
     FIELDS: tuple[str, ...]
     out_features: int
     in_features: int
@@ -89,6 +96,7 @@ class Q4_1Weight(BlockWeight):
     them), scale and min [N, K / 32] float32."""
 
     FORMAT, FIELDS = "q4_1", ("nibbles", "scale", "min")
+    FORMAT_ID = 0
 
     def __init__(self, nibbles: torch.Tensor, scale: torch.Tensor, min: torch.Tensor) -> None:
         self.nibbles, self.scale, self.min = nibbles, scale, min
@@ -120,6 +128,7 @@ class Q8_0Weight(BlockWeight):
     [N, K / 32] float32."""
 
     FORMAT, FIELDS = "q8_0", ("values", "scale")
+    FORMAT_ID = 1
 
     def __init__(self, values: torch.Tensor, scale: torch.Tensor) -> None:
         self.values, self.scale = values, scale
@@ -156,6 +165,19 @@ class GGUFLinear(nn.Module):
         self.weight = weight
         self.dense = dense
         self.plain = dense.bias is None
+        self.native: NativeKernel | None = None   # built at the first native_linear call
+
+    def native_linear(self, rows: int) -> NativeKernel | None:
+        """The kernels' product for `rows` float32 rows (srv.sdk.native.NativeKernel), or None
+        where the dense copy computes it (from DENSE_FROM_FLOAT32_ROWS rows) or a bias is added."""
+        if not self.plain or rows >= DENSE_FROM_FLOAT32_ROWS:
+            return None
+        if self.native is None:
+            tensors = list(self.weight.tensors().values())
+            self.context = LinearContext(self.weight.FORMAT_ID, self.weight.in_features, self.weight.out_features,
+                                         *(t.data_ptr() for t in tensors), *([None] * (3 - len(tensors))))
+            self.native = NativeKernel.of(kernels().srv_gguf_linear, self.context)
+        return self.native
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The common case first, in as few operators as possible: decode runs this 100-odd times

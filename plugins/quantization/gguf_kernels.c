@@ -254,3 +254,19 @@ void srv_q8_0_matmul(const float *x, int64_t m, int64_t k, const int8_t *values,
     for (int64_t i = 0; i < n; i++)
         FOR_ROWS(m, q8_0_row(x, k, values + i * k, scale + i * blocks, y + i, n, ROWS_NOW))
 }
+
+/* A layer's product as srv.sdk.native.NativeKernel calls it (a model's decode layers in C). */
+typedef struct {
+    int64_t format; /* Q4_1 or Q8_0 */
+    int64_t in_features, out_features;
+    const void *data; /* nibbles or values */
+    const float *scale, *min;
+} LinearContext;
+
+void srv_gguf_linear(const void *context, const float *x, int64_t rows, float *y) {
+    const LinearContext *c = context;
+    if (c->format == Q4_1)
+        srv_q4_1_matmul(x, rows, c->in_features, c->data, c->scale, c->min, c->out_features, y);
+    else
+        srv_q8_0_matmul(x, rows, c->in_features, c->data, c->scale, c->out_features, y);
+}
