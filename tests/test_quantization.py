@@ -111,18 +111,26 @@ def test_decode_layers_run_in_one_native_call_with_the_python_layers_results(mon
         prompts = [engine.tokenizer.encode(p) for p in ("The capital of France is", "def fibonacci(n):", "Hi")]
         base = runner.kv_cache.k_buffers[0].shape[0] - 512   # slots no request of the engine holds
         slots = [torch.arange(base + 100 * i, base + 100 * (i + 1)) for i in range(len(prompts))]
+        for buffer in runner.kv_cache.k_buffers + runner.kv_cache.v_buffers:
+            buffer[base:base + 300] = float("nan")   # a read of a slot not written yet shows
+
+        def slot_table(lens: list[int]) -> torch.Tensor:
+            """Each row's slots, 0 past its length (never-written slots may hold NaNs)."""
+            table = torch.stack([s[:max(lens)] for s in slots])
+            for i, n in enumerate(lens):
+                table[i, n:] = 0
+            return table
+
         lens = [len(p) for p in prompts]
         logits = runner.forward(torch.tensor([t for p in prompts for t in p]),
                                 torch.cat([torch.arange(n) for n in lens]),
-                                torch.cat([s[:n] for s, n in zip(slots, lens)]),
-                                torch.stack([s[:max(lens)] for s in slots]), [0] * len(prompts), lens)
+                                torch.cat([s[:n] for s, n in zip(slots, lens)]), slot_table(lens),
+                                [0] * len(prompts), lens)
         for step in range(4):
+            assert torch.isfinite(logits).all()
             tokens = logits.argmax(-1)
-            kv_slots = torch.stack([s[:max(lens) + 1] for s in slots])
-            for i, n in enumerate(lens):
-                kv_slots[i, n + 1:] = 0
-            args = (tokens, torch.tensor(lens), torch.stack([s[n] for s, n in zip(slots, lens)]), kv_slots, lens,
-                    [1] * len(prompts))
+            args = (tokens, torch.tensor(lens), torch.stack([s[n] for s, n in zip(slots, lens)]),
+                    slot_table([n + 1 for n in lens]), lens, [1] * len(prompts))
             logits = runner.forward(*args)
             monkeypatch.setattr(LlamaForCausalLM, "_decode_natively", lambda self, x, rotary, batch: None)
             assert torch.equal(runner.forward(*args), logits), f"decode step {step}"
