@@ -209,6 +209,8 @@ class LlamaForCausalLM(nn.Module):
         self.shapes = LayerShapes(config.hidden_size, attention.num_heads, attention.num_kv_heads, attention.head_dim,
                                   config.intermediate_size, norm_eps(config))
         # Per batch size: the layers as srv_decode_layers runs them, or None where one lacks a kernel.
+        # They hold the addresses of the weights, which must not be replaced after the first decode
+        # step (srv never does; the loader and the quantization run before it).
         self.native_layers: dict[int, ctypes.Array | None] = {}
 
     @torch.inference_mode()
