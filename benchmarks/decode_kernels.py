@@ -16,13 +16,14 @@ package of that name when it finds one.)
 from __future__ import annotations
 
 import argparse
+import ctypes
 import time
 from collections.abc import Callable
 
 import torch
 
 from srv.engine.default_model import default_model_path
-from srv.plugins.attention.padded_sdpa import KV_FORMATS, kernels as attention_kernels
+from srv.plugins.attention.padded_sdpa import KV_FORMATS, DecodeContext, kernels as attention_kernels
 from srv.plugins.models.loaders import GGUFLoader
 from srv.plugins.models.packed_linear import PackedLinear
 from srv.plugins.quantization.gguf import GROUP, Q4_1Weight, Q8_0Weight
@@ -82,6 +83,7 @@ def decode_attention(config: ModelConfig, batches: list[int], contexts: list[int
     library = attention_kernels()
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     head_dim = config.hidden_size // heads
+    layers = config.num_hidden_layers
     print("| batch | context | decode attention |\n| ---: | ---: | ---: |")
     for batch in batches:
         for context in contexts:
@@ -92,15 +94,19 @@ def decode_attention(config: ModelConfig, batches: list[int], contexts: list[int
             k_new, v_new = torch.randn(batch, kv_heads, head_dim), torch.randn(batch, kv_heads, head_dim)
             out = torch.empty_like(q)
             shape = (batch * context, kv_heads, head_dim)
-            caches = [(torch.randn(shape), torch.randn(shape)) for _ in range(config.num_hidden_layers)]
+            k_caches, v_caches = ([torch.randn(shape) for _ in range(layers)] for _ in range(2))
+            k_addresses, v_addresses = ((ctypes.c_void_p * layers)(*(b.data_ptr() for b in buffers))
+                                        for buffers in (k_caches, v_caches))
+            context_of_step = DecodeContext(ctypes.addressof(k_addresses), ctypes.addressof(v_addresses),
+                                            KV_FORMATS[torch.float32], new_slots.data_ptr(), slots.data_ptr(),
+                                            seq_lens.data_ptr(), context, batch, heads, kv_heads, head_dim,
+                                            head_dim ** -0.5)
 
             def step() -> None:
-                for k, v in caches:
-                    library.srv_decode_attention(q.data_ptr(), q.stride(0), k_new.data_ptr(), v_new.data_ptr(),
-                                                 k_new.stride(0), new_slots.data_ptr(), k.data_ptr(), v.data_ptr(),
-                                                 KV_FORMATS[k.dtype], slots.data_ptr(), context,
-                                                 seq_lens.data_ptr(), batch, heads, kv_heads, head_dim,
-                                                 head_dim ** -0.5, out.data_ptr())
+                for layer in range(layers):
+                    library.srv_decode_attention_layer(ctypes.addressof(context_of_step), layer, q.data_ptr(),
+                                                       q.stride(0), k_new.data_ptr(), v_new.data_ptr(),
+                                                       k_new.stride(0), out.data_ptr())
 
             print(f"| {batch} | {context} | {best_ms({'step': step}, repeats)['step']:.1f} ms |", flush=True)
 

@@ -22,7 +22,6 @@ import os
 import shutil
 import subprocess
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
 from srv.sdk.paths import cache_root, write_atomically

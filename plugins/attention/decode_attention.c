@@ -270,10 +270,10 @@ static void head_rows(const void *cache, int kv_format, const int64_t *slots, in
     for (int64_t t = len; t % 8; t++) rows[t] = rows[0];
 }
 
-void srv_decode_attention(const float *q, int64_t q_stride, const float *k_new, const float *v_new,
-                          int64_t new_stride, const int64_t *new_slots, void *k_cache, void *v_cache,
-                          int kv_format, const int64_t *kv_slots, int64_t stride, const int64_t *seq_lens,
-                          int64_t batch, int64_t heads, int64_t kv_heads, int64_t d, float scale, float *out) {
+static void decode_attention(const float *q, int64_t q_stride, const float *k_new, const float *v_new,
+                             int64_t new_stride, const int64_t *new_slots, void *k_cache, void *v_cache,
+                             int kv_format, const int64_t *kv_slots, int64_t stride, const int64_t *seq_lens,
+                             int64_t batch, int64_t heads, int64_t kv_heads, int64_t d, float scale, float *out) {
     if (k_new != NULL)
         store_new(k_new, v_new, new_stride, new_slots, k_cache, v_cache, kv_format, batch, kv_heads, d);
     const int64_t group = heads / kv_heads;
@@ -318,8 +318,8 @@ void srv_decode_attention(const float *q, int64_t q_stride, const float *k_new, 
     }
 }
 
-/* srv_decode_attention as srv.sdk.native.NativeKernel calls it, the step's metadata in the
- * context (set once a step by the backend's native_decode). */
+/* decode_attention as srv.sdk.native.NativeKernel calls it, the step's metadata in the context
+ * (built once a step by the backend's prepare): the backend's own decode calls it too. */
 typedef struct {
     void *const *k_caches, *const *v_caches; /* one a layer */
     int64_t kv_format;
@@ -331,7 +331,7 @@ typedef struct {
 void srv_decode_attention_layer(const void *context, int64_t layer, const float *q, int64_t q_stride,
                                 const float *k, const float *v, int64_t kv_stride, float *out) {
     const DecodeContext *c = context;
-    srv_decode_attention(q, q_stride, k, v, kv_stride, c->new_slots, c->k_caches[layer], c->v_caches[layer],
-                         (int)c->kv_format, c->kv_slots, c->kv_slots_stride, c->seq_lens, c->batch, c->heads,
-                         c->kv_heads, c->d, c->scale, out);
+    decode_attention(q, q_stride, k, v, kv_stride, c->new_slots, c->k_caches[layer], c->v_caches[layer],
+                     (int)c->kv_format, c->kv_slots, c->kv_slots_stride, c->seq_lens, c->batch, c->heads,
+                     c->kv_heads, c->d, c->scale, out);
 }

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -30,10 +31,8 @@ KV_FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 def kernels() -> ctypes.CDLL:
     library = load_c_library(Path(__file__).with_name("decode_attention.c"), ("-mavx2", "-mfma", "-mf16c", "-lm"))
     pointer, size = ctypes.c_void_p, ctypes.c_int64
-    library.srv_decode_attention.restype = None
-    library.srv_decode_attention.argtypes = [pointer, size, pointer, pointer, size, pointer, pointer, pointer,
-                                             ctypes.c_int, pointer, size, pointer, size, size, size, size,
-                                             ctypes.c_float, pointer]
+    library.srv_decode_attention_layer.restype = None
+    library.srv_decode_attention_layer.argtypes = [pointer, size, pointer, size, pointer, pointer, size, pointer]
     return library
 
 
@@ -45,18 +44,24 @@ class DecodeContext(ctypes.Structure):
                 ("kv_heads", ctypes.c_int64), ("d", ctypes.c_int64), ("scale", ctypes.c_float)]
 
 
+@dataclass
+class DecodeStep:
+    """A decode batch's kernel, its context and the tensors the context points into."""
+    kernel: NativeKernel
+    context: DecodeContext
+    tensors: tuple[torch.Tensor, ...]
+
+
 class PaddedSDPAAttention(AttentionBackend):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, scale)
         kernels()   # a compiler error now, at launch, rather than at the first decode step
-        # The layers' cache addresses for srv_decode_attention_layer, per list of buffers.
+        # The layers' cache addresses for the kernel, per list of buffers.
         self.cache_addresses: tuple[list[torch.Tensor], list[torch.Tensor], ctypes.Array, ctypes.Array] | None = None
 
     def prepare(self, batch: ForwardBatch) -> None:
         if batch.is_decode:
-            seq_lens = torch.tensor(batch.prefix_lens) + 1
-            batch.metadata["padded_sdpa"] = (seq_lens, batch.kv_slots.to(torch.int64).contiguous(),
-                                             batch.out_cache_loc.to(torch.int64).contiguous())
+            batch.metadata["padded_sdpa"] = self._decode_step(batch)
             return
         extend = torch.tensor(batch.extend_lens)
         prefix = torch.tensor(batch.prefix_lens)
@@ -69,6 +74,23 @@ class PaddedSDPAAttention(AttentionBackend):
         # Padding query rows attend to key 0 so softmax stays finite; their output is dropped.
         mask |= (~valid_query[:, :, None]) & (key_pos[None, None, :] == 0)
         batch.metadata["padded_sdpa"] = (mask[:, None], valid_query, max_extend)
+
+    def _decode_step(self, batch: ForwardBatch) -> DecodeStep:
+        seq_lens = torch.tensor(batch.prefix_lens) + 1
+        slots = batch.kv_slots.to(torch.int64).contiguous()
+        new_slots = batch.out_cache_loc.to(torch.int64).contiguous()
+        cache = batch.kv_cache
+        known = self.cache_addresses
+        if known is None or known[0] is not cache.k_buffers or known[1] is not cache.v_buffers:
+            self.cache_addresses = (cache.k_buffers, cache.v_buffers,
+                                    *((ctypes.c_void_p * len(buffers))(*(b.data_ptr() for b in buffers))
+                                      for buffers in (cache.k_buffers, cache.v_buffers)))
+        k_caches, v_caches = self.cache_addresses[2:]
+        context = DecodeContext(ctypes.addressof(k_caches), ctypes.addressof(v_caches), KV_FORMATS[cache.dtype],
+                                new_slots.data_ptr(), slots.data_ptr(), seq_lens.data_ptr(), slots.stride(0),
+                                batch.batch_size, self.num_heads, self.num_kv_heads, self.head_dim, self.scale)
+        return DecodeStep(NativeKernel.of(kernels().srv_decode_attention_layer, context), context,
+                          (seq_lens, slots, new_slots))
 
     def _gather(self, buffer: torch.Tensor, batch: ForwardBatch, dtype: torch.dtype) -> torch.Tensor:
         """[B, KVH, K, D] keys or values of every request, contiguous per (request, head)."""
@@ -84,21 +106,7 @@ class PaddedSDPAAttention(AttentionBackend):
         return self._decode(q, layer_id, batch, (token_rows(k), token_rows(v)))
 
     def native_decode(self, batch: ForwardBatch) -> NativeKernel | None:
-        if not batch.is_decode:
-            return None
-        seq_lens, slots, new_slots = batch.metadata["padded_sdpa"]
-        cache = batch.kv_cache
-        known = self.cache_addresses
-        if known is None or known[0] is not cache.k_buffers or known[1] is not cache.v_buffers:
-            self.cache_addresses = (cache.k_buffers, cache.v_buffers,
-                                    *((ctypes.c_void_p * len(buffers))(*(b.data_ptr() for b in buffers))
-                                      for buffers in (cache.k_buffers, cache.v_buffers)))
-        k_caches, v_caches = self.cache_addresses[2:]
-        context = DecodeContext(ctypes.addressof(k_caches), ctypes.addressof(v_caches), KV_FORMATS[cache.dtype],
-                                new_slots.data_ptr(), slots.data_ptr(), seq_lens.data_ptr(), slots.stride(0),
-                                batch.batch_size, self.num_heads, self.num_kv_heads, self.head_dim, self.scale)
-        batch.metadata["padded_sdpa_native"] = context   # alive as long as the batch
-        return NativeKernel.of(kernels().srv_decode_attention_layer, context)
+        return batch.metadata["padded_sdpa"].kernel if batch.is_decode else None
 
     def attend(self, q: torch.Tensor, layer_id: int, batch: ForwardBatch) -> torch.Tensor:
         if batch.is_decode:
@@ -115,20 +123,16 @@ class PaddedSDPAAttention(AttentionBackend):
     def _decode(self, q: torch.Tensor, layer_id: int, batch: ForwardBatch,
                 new_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """The kernel, which also stores `new_kv` (this step's keys and values) when given."""
-        seq_lens, slots, new_slots = batch.metadata["padded_sdpa"]
-        k_cache, v_cache = batch.kv_cache.k_buffers[layer_id], batch.kv_cache.v_buffers[layer_id]
         query = token_rows(q)
         k_new, v_new = new_kv or (None, None)
         if k_new is not None and k_new.stride(0) != v_new.stride(0):
             k_new, v_new = k_new.contiguous(), v_new.contiguous()
         out = torch.empty(q.shape[0], self.num_heads, self.head_dim)
-        kernels().srv_decode_attention(query.data_ptr(), query.stride(0),
-                                       None if k_new is None else k_new.data_ptr(),
-                                       None if v_new is None else v_new.data_ptr(),
-                                       0 if k_new is None else k_new.stride(0), new_slots.data_ptr(),
-                                       k_cache.data_ptr(), v_cache.data_ptr(), KV_FORMATS[k_cache.dtype],
-                                       slots.data_ptr(), slots.stride(0), seq_lens.data_ptr(), batch.batch_size,
-                                       self.num_heads, self.num_kv_heads, self.head_dim, self.scale, out.data_ptr())
+        kernels().srv_decode_attention_layer(batch.metadata["padded_sdpa"].kernel.context, layer_id,
+                                             query.data_ptr(), query.stride(0),
+                                             None if k_new is None else k_new.data_ptr(),
+                                             None if v_new is None else v_new.data_ptr(),
+                                             0 if k_new is None else k_new.stride(0), out.data_ptr())
         return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 

@@ -21,7 +21,6 @@ import functools
 import hashlib
 import json
 import logging
-from abc import ABC, abstractmethod
 from pathlib import Path
 
 import torch
@@ -57,8 +56,7 @@ CACHE_VERSION = 1  # bump when what is cached changes: the layouts above, or how
 def kernels() -> ctypes.CDLL:
     library = load_c_library(Path(__file__).with_name("gguf_kernels.c"), KERNEL_FLAGS)
     pointer, size = ctypes.c_void_p, ctypes.c_int64
-    library.srv_q4_1_matmul.argtypes = [pointer, size, size, pointer, pointer, pointer, size, pointer]
-    library.srv_q8_0_matmul.argtypes = [pointer, size, size, pointer, pointer, size, pointer]
+    library.srv_gguf_linear.argtypes = [pointer, pointer, size, pointer]
     return library
 
 
@@ -68,27 +66,28 @@ class LinearContext(ctypes.Structure):
                 ("data", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("min", ctypes.c_void_p)]
 
 
-def pointers(*tensors: torch.Tensor) -> tuple[ctypes.c_void_p, ...]:
-    """The tensors' addresses as ctypes arguments: converted once, not at every call."""
-    return tuple(ctypes.c_void_p(t.data_ptr()) for t in tensors)
-
-
-class BlockWeight(ABC):
+class BlockWeight:
     """A layer's weights in one of the kernels' formats: the tensors named in FIELDS, which are
-    also the constructor's arguments."""
+    also the constructor's arguments, described to srv_gguf_linear by a LinearContext."""
 
     FORMAT: str
     FORMAT_ID: int   # the format in gguf_kernels.c's LinearContext
     FIELDS: tuple[str, ...]
-    out_features: int
-    in_features: int
+
+    def __init__(self, data: torch.Tensor, scale: torch.Tensor, min: torch.Tensor | None = None) -> None:
+        self.out_features, self.in_features = scale.shape[0], scale.shape[1] * GROUP
+        self.context = LinearContext(self.FORMAT_ID, self.in_features, self.out_features, data.data_ptr(),
+                                     scale.data_ptr(), None if min is None else min.data_ptr())
+        self.kernel = NativeKernel.of(kernels().srv_gguf_linear, self.context)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {field: getattr(self, field) for field in self.FIELDS}
 
-    @abstractmethod
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x [M, K] float32 -> [M, N] float32."""
+        """x [M, K] float32 and contiguous -> [M, N] float32."""
+        y = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
+        kernels().srv_gguf_linear(self.kernel.context, x.data_ptr(), x.shape[0], y.data_ptr())
+        return y
 
 
 class Q4_1Weight(BlockWeight):
@@ -100,8 +99,7 @@ class Q4_1Weight(BlockWeight):
 
     def __init__(self, nibbles: torch.Tensor, scale: torch.Tensor, min: torch.Tensor) -> None:
         self.nibbles, self.scale, self.min = nibbles, scale, min
-        self.out_features, self.in_features = scale.shape[0], scale.shape[1] * GROUP
-        self.weight_args = pointers(nibbles, scale, min)
+        super().__init__(nibbles, scale, min)
 
     @classmethod
     def from_blocks(cls, q: torch.Tensor, scale: torch.Tensor, min: torch.Tensor) -> Q4_1Weight:
@@ -116,12 +114,6 @@ class Q4_1Weight(BlockWeight):
         nibbles = (lanes[..., 0::2] | (lanes[..., 1::2] << 4)).contiguous()
         return cls(nibbles, scale.float().contiguous(), min.float().contiguous())
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
-        kernels().srv_q4_1_matmul(x.data_ptr(), x.shape[0], self.in_features, *self.weight_args, self.out_features,
-                                  y.data_ptr())
-        return y
-
 
 class Q8_0Weight(BlockWeight):
     """values [N, K / 32, 32] int8 (byte s of lane l is the block's weight 8s + l), scale
@@ -132,8 +124,7 @@ class Q8_0Weight(BlockWeight):
 
     def __init__(self, values: torch.Tensor, scale: torch.Tensor) -> None:
         self.values, self.scale = values, scale
-        self.out_features, self.in_features = scale.shape[0], scale.shape[1] * GROUP
-        self.weight_args = pointers(values, scale)
+        super().__init__(values, scale)
 
     @classmethod
     def from_blocks(cls, q: torch.Tensor, scale: torch.Tensor) -> Q8_0Weight:
@@ -141,12 +132,6 @@ class Q8_0Weight(BlockWeight):
         n, k = q.shape
         values = q.to(torch.int8).view(n, k // GROUP, 4, 8).transpose(-1, -2).contiguous()
         return cls(values, scale.float().contiguous())
-
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
-        kernels().srv_q8_0_matmul(x.data_ptr(), x.shape[0], self.in_features, *self.weight_args, self.out_features,
-                                  y.data_ptr())
-        return y
 
 
 FORMATS = {fmt.FORMAT: fmt for fmt in (Q4_1Weight, Q8_0Weight)}
@@ -165,19 +150,11 @@ class GGUFLinear(nn.Module):
         self.weight = weight
         self.dense = dense
         self.plain = dense.bias is None
-        self.native: NativeKernel | None = None   # built at the first native_linear call
 
     def native_linear(self, rows: int) -> NativeKernel | None:
-        """The kernels' product for `rows` float32 rows (srv.sdk.native.NativeKernel), or None
-        where the dense copy computes it (from DENSE_FROM_FLOAT32_ROWS rows) or a bias is added."""
-        if not self.plain or rows >= DENSE_FROM_FLOAT32_ROWS:
-            return None
-        if self.native is None:
-            tensors = list(self.weight.tensors().values())
-            self.context = LinearContext(self.weight.FORMAT_ID, self.weight.in_features, self.weight.out_features,
-                                         *(t.data_ptr() for t in tensors), *([None] * (3 - len(tensors))))
-            self.native = NativeKernel.of(kernels().srv_gguf_linear, self.context)
-        return self.native
+        """The kernels' product for `rows` float32 rows, or None where the dense copy computes it
+        (from DENSE_FROM_FLOAT32_ROWS rows) or a bias is added."""
+        return self.weight.kernel if self.plain and rows < DENSE_FROM_FLOAT32_ROWS else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The common case first, in as few operators as possible: decode runs this 100-odd times

@@ -226,8 +226,8 @@ static void matmul_many_rows(const QuantizedRows *w, const float *x, int64_t m, 
 }
 
 /* Output rows split across threads, each weight row read once for all activation rows. */
-void srv_q4_1_matmul(const float *x, int64_t m, int64_t k, const uint8_t *nibbles, const float *scale,
-                     const float *min, int64_t n, float *y) {
+static void q4_1_matmul(const float *x, int64_t m, int64_t k, const uint8_t *nibbles, const float *scale,
+                        const float *min, int64_t n, float *y) {
     const int64_t blocks = k / GROUP;
     if (m > FEW_ROWS) {
         const QuantizedRows w = {Q4_1, nibbles, scale, min};
@@ -242,8 +242,8 @@ void srv_q4_1_matmul(const float *x, int64_t m, int64_t k, const uint8_t *nibble
                              sums, y + i, n, ROWS_NOW))
 }
 
-void srv_q8_0_matmul(const float *x, int64_t m, int64_t k, const int8_t *values, const float *scale, int64_t n,
-                     float *y) {
+static void q8_0_matmul(const float *x, int64_t m, int64_t k, const int8_t *values, const float *scale, int64_t n,
+                        float *y) {
     const int64_t blocks = k / GROUP;
     if (m > FEW_ROWS) {
         const QuantizedRows w = {Q8_0, values, scale, NULL};
@@ -255,7 +255,8 @@ void srv_q8_0_matmul(const float *x, int64_t m, int64_t k, const int8_t *values,
         FOR_ROWS(m, q8_0_row(x, k, values + i * k, scale + i * blocks, y + i, n, ROWS_NOW))
 }
 
-/* A layer's product as srv.sdk.native.NativeKernel calls it (a model's decode layers in C). */
+/* A layer's product, y [rows][out_features] = x [rows][in_features] W^T: what GGUFLinear calls,
+ * and what it hands a model as its srv.sdk.native.NativeKernel. */
 typedef struct {
     int64_t format; /* Q4_1 or Q8_0 */
     int64_t in_features, out_features;
@@ -266,7 +267,7 @@ typedef struct {
 void srv_gguf_linear(const void *context, const float *x, int64_t rows, float *y) {
     const LinearContext *c = context;
     if (c->format == Q4_1)
-        srv_q4_1_matmul(x, rows, c->in_features, c->data, c->scale, c->min, c->out_features, y);
+        q4_1_matmul(x, rows, c->in_features, c->data, c->scale, c->min, c->out_features, y);
     else
-        srv_q8_0_matmul(x, rows, c->in_features, c->data, c->scale, c->out_features, y);
+        q8_0_matmul(x, rows, c->in_features, c->data, c->scale, c->out_features, y);
 }

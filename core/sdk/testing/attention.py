@@ -185,30 +185,34 @@ class AttentionBackendKit:
             assert all(torch.equal(a.to(dtype), b) for a, b in zip(case.qkv[layer], originals[layer])), \
                 "forward modified q, k or v"
 
-    @pytest.mark.parametrize("kind", ["decode", "long_decode"])
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-    def test_native_decode_matches_forward(self, kind: str, dtype: torch.dtype) -> None:
-        """`native_decode`, where the backend offers it, stores and attends as `forward` does,
-        layer by layer, on a float32 q, k and v and a cache of `dtype`: the same outputs and the
-        same cache, to the bit."""
-        case = make_case(*BATCHES[kind], dtype=dtype, seed=3)
-        backend = self.make_backend(case.num_heads, case.num_kv_heads, case.head_dim)
-        native_batch = case.batch(backend, dtype)
-        backend.prepare(native_batch)
-        kernel = backend.native_decode(native_batch)
-        if kernel is None:
-            pytest.skip("the backend offers no native decode kernel")
-        native = [call_decode_attention(kernel, layer, q, k, v) for layer, (q, k, v) in enumerate(case.qkv)]
-        # forward as a float32 model calls it: float32 q, k and v, whatever the cache's dtype.
-        forward_backend = self.make_backend(case.num_heads, case.num_kv_heads, case.head_dim)
-        batch = case.batch(forward_backend, dtype)
-        forward_backend.prepare(batch)
-        expected = [forward_backend.forward(q, k, v, layer, batch) for layer, (q, k, v) in enumerate(case.qkv)]
-        for layer in range(NUM_LAYERS):
-            assert torch.equal(native[layer], expected[layer]), f"layer {layer}: outputs differ from forward"
-            for name in ("k_buffers", "v_buffers"):
-                assert torch.equal(getattr(native_batch.kv_cache, name)[layer], getattr(batch.kv_cache, name)[layer]), \
-                    f"layer {layer}: {name} differ from forward's"
+    def test_native_decode_is_none_or_matches_forward(self, dtype: torch.dtype) -> None:
+        """`native_decode` (optional) gives None for batches with prefill tokens, which its
+        kernel's signature cannot express, and for decode batches either None or a kernel that
+        stores and attends as `forward` does, layer by layer, on float32 q, k and v and a cache
+        of `dtype`: the same outputs and the same cache, to the bit."""
+        for seed, kind in enumerate(BATCHES):
+            case = make_case(*BATCHES[kind], dtype=dtype, seed=seed)
+            backend = self.make_backend(case.num_heads, case.num_kv_heads, case.head_dim)
+            native_batch = case.batch(backend, dtype)
+            backend.prepare(native_batch)
+            kernel = backend.native_decode(native_batch)
+            if not native_batch.is_decode:
+                assert kernel is None, f"{kind}: native_decode returned a kernel for a batch with prefill tokens"
+            if kernel is None:
+                continue
+            native = [call_decode_attention(kernel, layer, q, k, v) for layer, (q, k, v) in enumerate(case.qkv)]
+            # forward as a float32 model calls it: float32 q, k and v, whatever the cache's dtype.
+            forward_backend = self.make_backend(case.num_heads, case.num_kv_heads, case.head_dim)
+            batch = case.batch(forward_backend, dtype)
+            forward_backend.prepare(batch)
+            expected = [forward_backend.forward(q, k, v, layer, batch) for layer, (q, k, v) in enumerate(case.qkv)]
+            for layer in range(NUM_LAYERS):
+                assert torch.equal(native[layer], expected[layer]), f"{kind}, layer {layer}: outputs differ from forward"
+                for name in ("k_buffers", "v_buffers"):
+                    assert torch.equal(getattr(native_batch.kv_cache, name)[layer],
+                                       getattr(batch.kv_cache, name)[layer]), \
+                        f"{kind}, layer {layer}: {name} differ from forward's"
 
     def test_prepare_once_then_layers_and_batches_reuse_one_backend(self) -> None:
         """One backend serves every batch: prepare once per batch, then forward per layer.
