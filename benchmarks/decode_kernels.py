@@ -6,7 +6,8 @@ to the next), interleaved and best of several repetitions (this kind of VM is no
   vocabulary head) with Q4_1 / Q8_0 weights, on the C kernels and on the dense float32 copy
   (oneDNN, prepacked), at each row count: where `DENSE_FROM_FLOAT32_ROWS` comes from.
 - Decode attention: one step's attention (every layer) on a float32 KV cache, at each batch
-  size and context length, each request's slots contiguous.
+  size and context length, each request's slots contiguous; with a shared prefix, the first
+  slots of every request's table are the same (a prompt they share in the prefix cache).
 
 Figures are milliseconds a step; BENCHMARKS.md's notes quote them with this command. (Not
 named `kernels`: hf_peer.py runs with this folder on its path, and transformers imports a
@@ -17,13 +18,14 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import itertools
 import time
 from collections.abc import Callable
 
 import torch
 
 from srv.engine.default_model import default_model_path
-from srv.plugins.attention.padded_sdpa import KV_FORMATS, DecodeContext, kernels as attention_kernels
+from srv.plugins.attention.padded_sdpa import KV_FORMATS, decode_context, kernels as attention_kernels
 from srv.plugins.models.loaders import GGUFLoader
 from srv.plugins.models.packed_linear import PackedLinear
 from srv.plugins.quantization.gguf import GROUP, Q4_1Weight, Q8_0Weight
@@ -79,36 +81,39 @@ def gguf_products(config: ModelConfig, rows: list[int], repeats: int) -> None:
         print(f"| {m} | {best['kernels']:.1f} ms | {best['dense']:.1f} ms |", flush=True)
 
 
-def decode_attention(config: ModelConfig, batches: list[int], contexts: list[int], repeats: int) -> None:
+def decode_attention(config: ModelConfig, batches: list[int], contexts: list[int], shared_prefixes: list[int],
+                     repeats: int) -> None:
     library = attention_kernels()
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     head_dim = config.hidden_size // heads
     layers = config.num_hidden_layers
-    print("| batch | context | decode attention |\n| ---: | ---: | ---: |")
-    for batch in batches:
-        for context in contexts:
-            slots = torch.arange(batch * context).view(batch, context)
-            seq_lens = torch.full((batch,), context, dtype=torch.int64)
-            new_slots = slots[:, -1].contiguous()   # the step's own token, stored by the kernel
-            q = torch.randn(batch, heads, head_dim)
-            k_new, v_new = torch.randn(batch, kv_heads, head_dim), torch.randn(batch, kv_heads, head_dim)
-            out = torch.empty_like(q)
-            shape = (batch * context, kv_heads, head_dim)
-            k_caches, v_caches = ([torch.randn(shape) for _ in range(layers)] for _ in range(2))
-            k_addresses, v_addresses = ((ctypes.c_void_p * layers)(*(b.data_ptr() for b in buffers))
-                                        for buffers in (k_caches, v_caches))
-            context_of_step = DecodeContext(ctypes.addressof(k_addresses), ctypes.addressof(v_addresses),
-                                            KV_FORMATS[torch.float32], new_slots.data_ptr(), slots.data_ptr(),
-                                            seq_lens.data_ptr(), context, batch, heads, kv_heads, head_dim,
-                                            head_dim ** -0.5)
+    print("| batch | context | shared prefix | decode attention |\n| ---: | ---: | ---: | ---: |")
+    for batch, context, shared in itertools.product(batches, contexts, shared_prefixes):
+        if shared >= context:
+            continue
+        own = torch.arange(batch * (context - shared)).view(batch, context - shared) + shared
+        slots = torch.cat([torch.arange(shared).expand(batch, shared), own], dim=1).contiguous()
+        seq_lens = torch.full((batch,), context, dtype=torch.int64)
+        new_slots = slots[:, -1].contiguous()   # the step's own token, stored by the kernel
+        q = torch.randn(batch, heads, head_dim)
+        k_new, v_new = torch.randn(batch, kv_heads, head_dim), torch.randn(batch, kv_heads, head_dim)
+        out = torch.empty_like(q)
+        shape = (shared + batch * (context - shared), kv_heads, head_dim)
+        k_caches, v_caches = ([torch.randn(shape) for _ in range(layers)] for _ in range(2))
+        k_addresses, v_addresses = ((ctypes.c_void_p * layers)(*(b.data_ptr() for b in buffers))
+                                    for buffers in (k_caches, v_caches))
+        # groups: the tensor the context points into, alive as long as it is
+        context_of_step, groups = decode_context(k_addresses, v_addresses, KV_FORMATS[torch.float32],
+                                                 new_slots, slots, seq_lens, heads, kv_heads, head_dim,
+                                                 head_dim ** -0.5)
 
-            def step() -> None:
-                for layer in range(layers):
-                    library.srv_decode_attention_layer(ctypes.addressof(context_of_step), layer, q.data_ptr(),
-                                                       q.stride(0), k_new.data_ptr(), v_new.data_ptr(),
-                                                       k_new.stride(0), out.data_ptr())
+        def step() -> None:
+            for layer in range(layers):
+                library.srv_decode_attention_layer(ctypes.addressof(context_of_step), layer, q.data_ptr(),
+                                                   q.stride(0), k_new.data_ptr(), v_new.data_ptr(),
+                                                   k_new.stride(0), out.data_ptr())
 
-            print(f"| {batch} | {context} | {best_ms({'step': step}, repeats)['step']:.1f} ms |", flush=True)
+        print(f"| {batch} | {context} | {shared} | {best_ms({'step': step}, repeats)['step']:.1f} ms |", flush=True)
 
 
 def main() -> None:
@@ -117,13 +122,15 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 32, 64, 128, 256])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--contexts", type=int, nargs="+", default=[170, 700])
+    parser.add_argument("--shared-prefixes", type=int, nargs="+", default=[0, 512],
+                        help="tokens at the start of every request's context that all share (W2 shares 512)")
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
     config = ModelConfig.read(GGUFLoader().prepare(default_model_path()))
     print(f"torch threads: {torch.get_num_threads()}\n\nGGUF products, one decode step:")
     gguf_products(config, args.rows, args.repeats)
     print("\nDecode attention, one step:")
-    decode_attention(config, args.batches, args.contexts, args.repeats)
+    decode_attention(config, args.batches, args.contexts, args.shared_prefixes, args.repeats)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import torch
 
 import srv
 from srv.engine.default_model import default_model_path
+from srv.plugins.attention import padded_sdpa
 from srv.plugin_manager import load_plugins
 from srv.plugins.quantization.gguf import GGUFLinear
 
@@ -99,6 +100,30 @@ def test_default_model_prefix_cache_hit(default_engine, default_model_dir):
     assert second["meta_info"]["cached_tokens"] >= len(default_engine.tokenizer.encode(shared)) - 2
     assert default_engine.scheduler.stats.cached_prompt_tokens >= second["meta_info"]["cached_tokens"]
     assert_matches_hf(default_engine, default_model_dir, [default_engine.tokenizer.encode(second_prompt)], [second])
+    assert_all_kv_returned(default_engine)
+
+
+def test_default_model_requests_sharing_a_cached_prompt_decode_together(default_engine, default_model_dir,
+                                                                        monkeypatch):
+    """Requests whose prompts begin with the same cached 100-odd tokens decode in one batch, and
+    their attention reads the shared keys and values once a group: still HF's tokens."""
+    shares = []
+    grouped = padded_sdpa.decode_context
+
+    def recording(*args, **kwargs):
+        context, groups = grouped(*args, **kwargs)
+        shares.extend(int(shared) for shared in groups[:context.group_count, 2])
+        return context, groups
+
+    monkeypatch.setattr(padded_sdpa, "decode_context", recording)
+    default_engine.flush_cache()
+    shared = " ".join(PROMPTS)
+    default_engine.generate(shared, {"max_new_tokens": 1, "temperature": 0})
+    prompts = [shared + ending for ending in (" The end.", " And then", " Why?", " 42")]
+    results = default_engine.generate(prompts, GREEDY)
+    assert all(r["meta_info"]["cached_tokens"] >= 64 for r in results)
+    assert max(shares) >= 64, "no decode step grouped the requests over their shared prompt"
+    assert_matches_hf(default_engine, default_model_dir, [default_engine.tokenizer.encode(p) for p in prompts], results)
     assert_all_kv_returned(default_engine)
 
 

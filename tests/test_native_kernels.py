@@ -1,7 +1,7 @@
 """srv.sdk.native (C kernels built on first use, cached, errors that say why), srv.sdk.paths'
 atomic writes, the Llama family's C norms, rotary embedding and gated activation against the
 torch operators they replace, its oneDNN-packed linear layers, and the decode attention
-kernel's store into a narrower cache."""
+kernel: its store into a narrower cache, its groups of requests that share a prefix."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from torch.nn import functional as F
 
 import srv.plugins.models.llama as llama
 from srv.plugins.attention.padded_sdpa import PaddedSDPAAttention
+from srv.sdk.attention import ForwardBatch
 from srv.plugins.models.packed_linear import PackedLinear, can_pack
 from srv.sdk.testing.attention import BATCHES, make_case
 from srv.sdk.native import NativeBuildError, load_c_library
@@ -144,7 +145,7 @@ def test_packed_linear_reorders_its_weight_at_its_first_product():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
 def test_decode_attention_rounds_float32_keys_into_the_cache_as_torch_does(dtype):
-    case = make_case(*BATCHES["decode"])
+    case = make_case(BATCHES["decode"])
     backend = PaddedSDPAAttention(case.num_heads, case.num_kv_heads, case.head_dim, case.head_dim ** -0.5)
     batch = case.batch(backend, dtype)
     backend.prepare(batch)
@@ -154,3 +155,36 @@ def test_decode_attention_rounds_float32_keys_into_the_cache_as_torch_does(dtype
     loc = batch.out_cache_loc
     assert torch.equal(batch.kv_cache.k_buffers[0][loc], k.to(dtype))
     assert torch.equal(batch.kv_cache.v_buffers[0][loc], v.to(dtype))
+
+
+def one_request(batch: ForwardBatch, i: int) -> ForwardBatch:
+    """Request i of a decode batch as a batch of its own, over the same cache."""
+    return ForwardBatch(input_ids=batch.input_ids[i:i + 1], positions=batch.positions[i:i + 1],
+                        out_cache_loc=batch.out_cache_loc[i:i + 1],
+                        kv_slots=batch.kv_slots[i:i + 1, :batch.prefix_lens[i] + 1],
+                        prefix_lens=[batch.prefix_lens[i]], extend_lens=[1], kv_cache=batch.kv_cache,
+                        attention=batch.attention)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
+                         ids=["float32", "bfloat16", "float16"])
+def test_decode_attention_over_a_shared_prefix_gives_each_request_its_output_alone(dtype):
+    """Requests whose slot tables begin alike attend in groups, the shared keys and values read
+    once a group; each request's output must be, to the bit, what it is in a batch of its own."""
+    case = make_case(BATCHES["shared_prefix_decode"], dtype=dtype)
+    used = set(case.kv_slots.flatten().tolist())
+    unused = [s for s in range(16, case.k_buffers[0].shape[0]) if s not in used]
+    case.kv_slots[3, :128] = torch.tensor(unused[:128])   # request 3 shares nothing: the groups break there
+    backend = PaddedSDPAAttention(case.num_heads, case.num_kv_heads, case.head_dim, case.head_dim ** -0.5)
+    batch = case.batch(backend, dtype)
+    backend.prepare(batch)
+    context = batch.metadata["padded_sdpa"].context
+    groups = batch.metadata["padded_sdpa"].tensors[-1][:context.group_count].tolist()
+    assert [3, 1, 0] in groups and any(count > 1 and shared == 128 for _, count, shared in groups), groups
+    together = [backend.forward(q, k, v, layer, batch) for layer, (q, k, v) in enumerate(case.qkv)]
+    for i in range(len(case.prefix_lens)):
+        alone = one_request(case.batch(backend, dtype), i)
+        backend.prepare(alone)
+        for layer, (q, k, v) in enumerate(case.qkv):
+            out = backend.forward(q[i:i + 1], k[i:i + 1], v[i:i + 1], layer, alone)
+            assert torch.equal(out[0], together[layer][i]), f"request {i}, layer {layer}"

@@ -4,7 +4,8 @@
  * q [B][H][D] float32, tokens q_stride floats apart; k_cache, v_cache [slots][KVH][D], float32,
  * bf16 or float16 (kv_format); kv_slots [B][stride] int64, the first seq_lens[b] of row b are
  * the request's tokens; out [B][H][D] float32. The H / KVH query heads of a KV head read its
- * keys and values together. Threads: OpenMP over (request, KV head), in torch's runtime.
+ * keys and values together, and so do the requests of a group that share a prefix of slots
+ * (RequestGroup). Threads: OpenMP over (group, KV head), in torch's runtime.
  *
  * With k_new and v_new ([B][KVH][D] float32, tokens new_stride floats apart), this step's keys
  * and values are first written to the cache at new_slots, in its format: one call a layer
@@ -18,6 +19,7 @@
 
 #include <immintrin.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -251,12 +253,12 @@ INLINE void chunk_values(const float *p, const float *const *values, int64_t len
         FOR_CHUNK(vectors, left % 8, statement)                                                           \
     }
 
-/* Pointers to the request's rows of one KV head: in place in a float32 cache, else widened into
- * `widened` [len][d]; entries from len up to a multiple of 8 repeat row 0. Rows are scattered
- * over the cache, so each is fetched some tokens ahead. */
-static void head_rows(const void *cache, int kv_format, const int64_t *slots, int64_t len, int64_t kv_heads,
-                      int64_t kvh, int64_t d, float *widened, const float **rows) {
-    for (int64_t t = 0; t < len; t++) {
+/* Pointers to rows [start, len) of a request's keys or values for one KV head: in place in a
+ * float32 cache, else widened into `widened` [len][d]; entries from len up to a multiple of 8
+ * repeat row `start`. Rows are scattered over the cache, so each is fetched some tokens ahead. */
+static void head_rows(const void *cache, int kv_format, const int64_t *slots, int64_t start, int64_t len,
+                      int64_t kv_heads, int64_t kvh, int64_t d, float *widened, const float **rows) {
+    for (int64_t t = start; t < len; t++) {
         if (kv_format != KV_FLOAT32 && t + PREFETCH_AHEAD < len)
             prefetch_row(cache, (slots[t + PREFETCH_AHEAD] * kv_heads + kvh) * d, kv_format, d);
         const int64_t offset = (slots[t] * kv_heads + kvh) * d;
@@ -267,54 +269,137 @@ static void head_rows(const void *cache, int kv_format, const int64_t *slots, in
             rows[t] = widened + t * d;
         }
     }
-    for (int64_t t = len; t % 8; t++) rows[t] = rows[0];
+    for (int64_t t = len; t % 8; t++) rows[t] = rows[start];
+}
+
+/* Consecutive requests of a batch whose slot tables begin with the same `shared` slots: a prefix
+ * they share in the cache (a system prompt, a few-shot preamble). Each block of those keys and
+ * values is read from memory once for the whole group, and every request's queries take their
+ * turn on it while it is in L1, instead of each request streaming it again. A request alone is a
+ * group of one with nothing shared. */
+typedef struct {
+    int64_t first, count, shared;
+} RequestGroup;
+
+/* Requests in a group at most: enough to read a shared block from L1 for all but one of them. */
+#define MAX_GROUP 8
+
+/* The batch's groups, in order, written to `groups` (room for `batch`); returns their count. A
+ * group is cut short so that every thread gets at least two (group, KV head) tasks. Shared
+ * prefixes are whole TOKEN_BLOCKs and leave every request at least one token of its own. */
+int64_t srv_decode_groups(const int64_t *kv_slots, int64_t stride, const int64_t *seq_lens, int64_t batch,
+                          int64_t kv_heads, RequestGroup *groups) {
+    const int64_t wanted = (2 * omp_get_max_threads() + kv_heads - 1) / kv_heads;
+    int64_t cap = (batch + wanted - 1) / wanted;
+    cap = cap < 1 ? 1 : (cap > MAX_GROUP ? MAX_GROUP : cap);
+    int64_t count = 0;
+    for (int64_t b = 0; b < batch;) {
+        RequestGroup *group = groups + count++;
+        const int64_t *first = kv_slots + b * stride;
+        int64_t shared = seq_lens[b] - 1, members = 1;
+        for (; b + members < batch && members < cap; members++) {
+            const int64_t *other = kv_slots + (b + members) * stride;
+            const int64_t limit = seq_lens[b + members] - 1 < shared ? seq_lens[b + members] - 1 : shared;
+            int64_t same = 0;
+            while (same < limit && first[same] == other[same]) same++;
+            same = same / TOKEN_BLOCK * TOKEN_BLOCK;
+            if (same == 0) break;
+            shared = same;
+        }
+        *group = (RequestGroup){b, members, members > 1 ? shared : 0};
+        b += members;
+    }
+    return count;
+}
+
+/* Per thread: each member's scores [group heads][longest] and row pointers [longest], and for
+ * 16-bit caches its widened rows [longest][d]. */
+typedef struct {
+    float *scores;
+    const float **rows;
+    float *widened;
+    int64_t longest;
+} Scratch;
+
+/* Attention for one KV head of one group: every score, then softmax, then the weighted sum of
+ * values, each pass over the shared blocks for all members first, then each member's own
+ * tokens. Three passes rather than a running softmax: each is a run of independent products,
+ * where a running softmax chains every token's exp and rescale behind the previous one's. */
+static void attend_group(const RequestGroup *group, int64_t kvh, const float *q, int64_t q_stride,
+                         const void *k_cache, const void *v_cache, int kv_format, const int64_t *kv_slots,
+                         int64_t stride, const int64_t *seq_lens, int64_t heads, int64_t kv_heads, int64_t d,
+                         float scale, float *out, const Scratch *s) {
+    const int64_t per_kv = heads / kv_heads, shared = group->shared, longest = s->longest;
+#define MEMBER_ROWS(m) ((const float *const *)s->rows + (m) * longest)
+#define SCORES(m, g) (s->scores + ((m) * per_kv + (g)) * longest)
+#define QUERY(m, g) (q + (group->first + (m)) * q_stride + (kvh * per_kv + (g)) * d)
+#define OUTPUT(m, g) (out + ((group->first + (m)) * heads + kvh * per_kv + (g)) * d)
+    for (int pass = 0; pass < 2; pass++) {
+        const void *cache = pass == 0 ? k_cache : v_cache;
+        for (int64_t m = 0; m < group->count; m++) {
+            const int64_t b = group->first + m;
+            head_rows(cache, kv_format, kv_slots + b * stride, m == 0 ? 0 : shared, seq_lens[b], kv_heads, kvh,
+                      d, s->widened + m * longest * d, s->rows + m * longest);
+        }
+        for (int64_t t0 = 0; t0 < shared; t0 += TOKEN_BLOCK)
+            for (int64_t m = 0; m < group->count; m++)
+                for (int64_t g = 0; g < per_kv; g++) {
+                    const int fetch = m == 0 && g == 0;
+                    if (pass == 0)
+                        FOR_EACH_CHUNK(d, chunk_scores(QUERY(m, g) + offset, MEMBER_ROWS(0) + t0, TOKEN_BLOCK,
+                                                       offset, tail, offset > 0, fetch, SCORES(m, g) + t0,
+                                                       VECTORS, MASKED))
+                    else
+                        FOR_EACH_CHUNK(d, chunk_values(SCORES(m, g) + t0, MEMBER_ROWS(0) + t0, TOKEN_BLOCK, offset,
+                                                       tail, t0 > 0, fetch, OUTPUT(m, g), VECTORS, MASKED))
+                }
+        for (int64_t m = 0; m < group->count; m++) {
+            const int64_t len = seq_lens[group->first + m], end = pass == 0 ? (len + 7) / 8 * 8 : len;
+            for (int64_t t0 = shared; t0 < end; t0 += TOKEN_BLOCK) {
+                const int64_t count = end - t0 < TOKEN_BLOCK ? end - t0 : TOKEN_BLOCK;
+                for (int64_t g = 0; g < per_kv; g++) {
+                    if (pass == 0)
+                        FOR_EACH_CHUNK(d, chunk_scores(QUERY(m, g) + offset, MEMBER_ROWS(m) + t0, count, offset,
+                                                       tail, offset > 0, g == 0, SCORES(m, g) + t0, VECTORS,
+                                                       MASKED))
+                    else
+                        FOR_EACH_CHUNK(d, chunk_values(SCORES(m, g) + t0, MEMBER_ROWS(m) + t0, count, offset,
+                                                       tail, t0 > 0, g == 0, OUTPUT(m, g), VECTORS, MASKED))
+                }
+            }
+            if (pass == 0)
+                for (int64_t g = 0; g < per_kv; g++) softmax(SCORES(m, g), len, scale);
+        }
+    }
+#undef MEMBER_ROWS
+#undef SCORES
+#undef QUERY
+#undef OUTPUT
 }
 
 static void decode_attention(const float *q, int64_t q_stride, const float *k_new, const float *v_new,
                              int64_t new_stride, const int64_t *new_slots, void *k_cache, void *v_cache,
                              int kv_format, const int64_t *kv_slots, int64_t stride, const int64_t *seq_lens,
-                             int64_t batch, int64_t heads, int64_t kv_heads, int64_t d, float scale, float *out) {
+                             const RequestGroup *groups, int64_t group_count, int64_t batch, int64_t heads,
+                             int64_t kv_heads, int64_t d, float scale, float *out) {
     if (k_new != NULL)
         store_new(k_new, v_new, new_stride, new_slots, k_cache, v_cache, kv_format, batch, kv_heads, d);
-    const int64_t group = heads / kv_heads;
-    int64_t longest = 8;
+    int64_t longest = 8, members = 1;
     for (int64_t b = 0; b < batch; b++) longest = seq_lens[b] > longest ? seq_lens[b] : longest;
+    for (int64_t i = 0; i < group_count; i++) members = groups[i].count > members ? groups[i].count : members;
     longest = (longest + 7) / 8 * 8;
 #pragma omp parallel
     {
-        /* Three passes a (request, KV head): every score, then softmax, then the weighted sum
-         * of values. Each pass is a run of independent products, where a running softmax
-         * chains every token's exp and rescale behind the previous one's. */
-        float *scores = malloc(group * longest * sizeof(float));
-        const float **rows = malloc(longest * sizeof(float *));
-        float *widened = kv_format == KV_FLOAT32 ? NULL : malloc(longest * d * sizeof(float));
+        const Scratch s = {malloc(members * (heads / kv_heads) * longest * sizeof(float)),
+                           malloc(members * longest * sizeof(float *)),
+                           kv_format == KV_FLOAT32 ? NULL : malloc(members * longest * d * sizeof(float)), longest};
 #pragma omp for schedule(static)
-        for (int64_t task = 0; task < batch * kv_heads; task++) {
-            const int64_t b = task / kv_heads, kvh = task % kv_heads, len = seq_lens[b];
-            const int64_t padded = (len + 7) / 8 * 8;
-            const int64_t *slots = kv_slots + b * stride;
-            const float *qb = q + b * q_stride + kvh * group * d;
-            float *ob = out + (b * heads + kvh * group) * d;
-            const float *const *row = (const float *const *)rows;
-            head_rows(k_cache, kv_format, slots, len, kv_heads, kvh, d, widened, rows);
-            for (int64_t t0 = 0; t0 < padded; t0 += TOKEN_BLOCK) {
-                const int64_t count = padded - t0 < TOKEN_BLOCK ? padded - t0 : TOKEN_BLOCK;
-                for (int64_t g = 0; g < group; g++)
-                    FOR_EACH_CHUNK(d, chunk_scores(qb + g * d + offset, row + t0, count, offset, tail, offset > 0,
-                                                   g == 0, scores + g * padded + t0, VECTORS, MASKED))
-            }
-            for (int64_t g = 0; g < group; g++) softmax(scores + g * padded, len, scale);
-            head_rows(v_cache, kv_format, slots, len, kv_heads, kvh, d, widened, rows);
-            for (int64_t t0 = 0; t0 < len; t0 += TOKEN_BLOCK) {
-                const int64_t count = len - t0 < TOKEN_BLOCK ? len - t0 : TOKEN_BLOCK;
-                for (int64_t g = 0; g < group; g++)
-                    FOR_EACH_CHUNK(d, chunk_values(scores + g * padded + t0, row + t0, count, offset, tail, t0 > 0,
-                                                   g == 0, ob + g * d, VECTORS, MASKED))
-            }
-        }
-        free(scores);
-        free(rows);
-        free(widened);
+        for (int64_t task = 0; task < group_count * kv_heads; task++)
+            attend_group(groups + task / kv_heads, task % kv_heads, q, q_stride, k_cache, v_cache, kv_format,
+                         kv_slots, stride, seq_lens, heads, kv_heads, d, scale, out, &s);
+        free(s.scores);
+        free((void *)s.rows);
+        free(s.widened);
     }
 }
 
@@ -324,7 +409,8 @@ typedef struct {
     void *const *k_caches, *const *v_caches; /* one a layer */
     int64_t kv_format;
     const int64_t *new_slots, *kv_slots, *seq_lens;
-    int64_t kv_slots_stride, batch, heads, kv_heads, d;
+    const RequestGroup *groups; /* srv_decode_groups' */
+    int64_t group_count, kv_slots_stride, batch, heads, kv_heads, d;
     float scale;
 } DecodeContext;
 
@@ -332,6 +418,6 @@ void srv_decode_attention_layer(const void *context, int64_t layer, const float 
                                 const float *k, const float *v, int64_t kv_stride, float *out) {
     const DecodeContext *c = context;
     decode_attention(q, q_stride, k, v, kv_stride, c->new_slots, c->k_caches[layer], c->v_caches[layer],
-                     (int)c->kv_format, c->kv_slots, c->kv_slots_stride, c->seq_lens, c->batch, c->heads,
-                     c->kv_heads, c->d, c->scale, out);
+                     (int)c->kv_format, c->kv_slots, c->kv_slots_stride, c->seq_lens, c->groups, c->group_count,
+                     c->batch, c->heads, c->kv_heads, c->d, c->scale, out);
 }

@@ -9,6 +9,8 @@ Decode (one new token a request): the C kernel of decode_attention.c stores the 
 values, then reads each request's keys and values in place through its slot table, one call a
 layer for the whole batch. Gathering the cache into padded tensors and running two batched
 matmuls took most of a decode step's attention time, and grew with every token of context.
+Neighbouring requests whose tables begin with the same slots (a prompt they share in the prefix
+cache) read those keys and values once for the group (srv_decode_groups, once a step).
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ def kernels() -> ctypes.CDLL:
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     library.srv_decode_attention_layer.restype = None
     library.srv_decode_attention_layer.argtypes = [pointer, size, pointer, size, pointer, pointer, size, pointer]
+    library.srv_decode_groups.restype = size
+    library.srv_decode_groups.argtypes = [pointer, size, pointer, size, size, pointer]
     return library
 
 
@@ -40,8 +44,23 @@ class DecodeContext(ctypes.Structure):
     """What srv_decode_attention_layer reads: the caches of every layer and the step's metadata."""
     _fields_ = [("k_caches", ctypes.c_void_p), ("v_caches", ctypes.c_void_p), ("kv_format", ctypes.c_int64),
                 ("new_slots", ctypes.c_void_p), ("kv_slots", ctypes.c_void_p), ("seq_lens", ctypes.c_void_p),
-                ("kv_slots_stride", ctypes.c_int64), ("batch", ctypes.c_int64), ("heads", ctypes.c_int64),
+                ("groups", ctypes.c_void_p), ("group_count", ctypes.c_int64), ("kv_slots_stride", ctypes.c_int64), ("batch", ctypes.c_int64), ("heads", ctypes.c_int64),
                 ("kv_heads", ctypes.c_int64), ("d", ctypes.c_int64), ("scale", ctypes.c_float)]
+
+
+def decode_context(k_caches: ctypes.Array, v_caches: ctypes.Array, kv_format: int, new_slots: torch.Tensor,
+                   slots: torch.Tensor, seq_lens: torch.Tensor, heads: int, kv_heads: int, head_dim: int,
+                   scale: float) -> tuple[DecodeContext, torch.Tensor]:
+    """A decode step's context over int64 slot tables, with the groups of requests that share a
+    prefix of slots (srv_decode_groups), and the tensor of those groups it points into."""
+    batch = seq_lens.shape[0]
+    groups = torch.empty(batch, 3, dtype=torch.int64)
+    count = kernels().srv_decode_groups(slots.data_ptr(), slots.stride(0), seq_lens.data_ptr(), batch, kv_heads,
+                                        groups.data_ptr())
+    context = DecodeContext(ctypes.addressof(k_caches), ctypes.addressof(v_caches), kv_format, new_slots.data_ptr(),
+                            slots.data_ptr(), seq_lens.data_ptr(), groups.data_ptr(), count, slots.stride(0), batch,
+                            heads, kv_heads, head_dim, scale)
+    return context, groups
 
 
 @dataclass
@@ -86,11 +105,10 @@ class PaddedSDPAAttention(AttentionBackend):
                                     *((ctypes.c_void_p * len(buffers))(*(b.data_ptr() for b in buffers))
                                       for buffers in (cache.k_buffers, cache.v_buffers)))
         k_caches, v_caches = self.cache_addresses[2:]
-        context = DecodeContext(ctypes.addressof(k_caches), ctypes.addressof(v_caches), KV_FORMATS[cache.dtype],
-                                new_slots.data_ptr(), slots.data_ptr(), seq_lens.data_ptr(), slots.stride(0),
-                                batch.batch_size, self.num_heads, self.num_kv_heads, self.head_dim, self.scale)
+        context, groups = decode_context(k_caches, v_caches, KV_FORMATS[cache.dtype], new_slots, slots, seq_lens,
+                                         self.num_heads, self.num_kv_heads, self.head_dim, self.scale)
         return DecodeStep(NativeKernel.of(kernels().srv_decode_attention_layer, context), context,
-                          (seq_lens, slots, new_slots))
+                          (seq_lens, slots, new_slots, groups))
 
     def _gather(self, buffer: torch.Tensor, batch: ForwardBatch, dtype: torch.dtype) -> torch.Tensor:
         """[B, KVH, K, D] keys or values of every request, contiguous per (request, head)."""

@@ -13,14 +13,26 @@ from srv.sdk.attention import AttentionBackend, ForwardBatch, KVCache
 from srv.sdk.native import call_decode_attention
 from srv.sdk.testing.registry import create
 
-# Ragged batches, as (prefix_lens, extend_lens): prefill chunks (prefix 0), decode steps
-# (extend 1), prefix-cache hits (prefix > 0, extend > 1), and all of them mixed.
+@dataclass(frozen=True)
+class BatchShape:
+    """A ragged batch: each request's cached tokens and new tokens, and how many slots at the
+    start of their slot tables all requests share (a prefix-cache hit on a common prompt)."""
+
+    prefix_lens: list[int]
+    extend_lens: list[int]
+    shared_prefix: int = 0
+
+
+# Prefill chunks (prefix 0), decode steps (extend 1), prefix-cache hits (prefix > 0, extend > 1),
+# all of them mixed, and requests that share the first slots of their tables.
 BATCHES = {
-    "prefill": ([0, 0, 0], [7, 1, 19]),
-    "decode": ([5, 1, 33, 16], [1, 1, 1, 1]),
-    "long_decode": ([150, 64, 71], [1, 1, 1]),   # contexts over a kernel's block of 64 tokens
-    "prefix_hits": ([16, 3, 40], [9, 17, 2]),
-    "mixed": ([0, 12, 7, 0, 30, 1], [13, 1, 5, 1, 1, 16]),
+    "prefill": BatchShape([0, 0, 0], [7, 1, 19]),
+    "decode": BatchShape([5, 1, 33, 16], [1, 1, 1, 1]),
+    "long_decode": BatchShape([150, 64, 71], [1, 1, 1]),   # contexts over a kernel's block of 64 tokens
+    "prefix_hits": BatchShape([16, 3, 40], [9, 17, 2]),
+    "mixed": BatchShape([0, 12, 7, 0, 30, 1], [13, 1, 5, 1, 1, 16]),
+    "shared_prefix_decode": BatchShape([150, 140, 131, 200, 129, 300, 140], [1] * 7, shared_prefix=128),
+    "shared_prefix_hits": BatchShape([70, 64, 90], [9, 17, 2], shared_prefix=64),
 }
 NUM_LAYERS = 2
 
@@ -57,28 +69,36 @@ class AttentionCase:
                             kv_cache=cache, attention=backend)
 
 
-def make_case(prefix_lens: list[int], extend_lens: list[int], num_heads: int = 8, num_kv_heads: int = 2,
-              head_dim: int = 64, dtype: torch.dtype = torch.float32, page_size: int = 16,
-              seed: int = 0) -> AttentionCase:
+def make_case(shape: BatchShape, num_heads: int = 8, num_kv_heads: int = 2, head_dim: int = 64,
+              dtype: torch.dtype = torch.float32, page_size: int = 16, seed: int = 0) -> AttentionCase:
     """A batch over a paged cache whose pages are a random permutation.
 
     Page 0, holding the padding slot 0, is never used; every slot, used or not, holds random
-    values, so reading a wrong slot or a padded one shows."""
+    values, so reading a wrong slot or a padded one shows. The shared prefix lies in pages of
+    its own, which every request's slot table lists first."""
+    prefix_lens, extend_lens, shared = shape.prefix_lens, shape.extend_lens, shape.shared_prefix
+    assert all(p >= shared for p in prefix_lens), "a shared prefix is cached: within every request's prefix"
     g = torch.Generator().manual_seed(seed)
     seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
-    pages_needed = sum(math.ceil(n / page_size) for n in seq_lens)
+    pages_needed = math.ceil(shared / page_size) + sum(math.ceil((n - shared) / page_size) for n in seq_lens)
     num_pages = 2 * pages_needed + 1
     free_pages = (torch.randperm(num_pages - 1, generator=g) + 1).tolist()
+
+    def slots(n: int) -> torch.Tensor:
+        pages = [free_pages.pop() for _ in range(math.ceil(n / page_size))]
+        return torch.cat([torch.arange(p * page_size, (p + 1) * page_size) for p in pages] or
+                         [torch.empty(0, dtype=torch.int64)])[:n]
+
+    common = slots(shared)
     kv_slots = torch.zeros(len(seq_lens), max(seq_lens), dtype=torch.int64)
     for i, n in enumerate(seq_lens):
-        pages = [free_pages.pop() for _ in range(math.ceil(n / page_size))]
-        kv_slots[i, :n] = torch.cat([torch.arange(p * page_size, (p + 1) * page_size) for p in pages])[:n]
+        kv_slots[i, :n] = torch.cat([common, slots(n - shared)])
     out_cache_loc = torch.cat([kv_slots[i, p:p + e] for i, (p, e) in enumerate(zip(prefix_lens, extend_lens))])
     positions = torch.cat([torch.arange(p, p + e) for p, e in zip(prefix_lens, extend_lens)])
     tokens = int(sum(extend_lens))
 
-    def randn(*shape: int) -> torch.Tensor:  # values exactly representable in `dtype`
-        return torch.randn(*shape, generator=g).to(dtype).float()
+    def randn(*size: int) -> torch.Tensor:  # values exactly representable in `dtype`
+        return torch.randn(*size, generator=g).to(dtype).float()
 
     buffer_shape = (num_pages * page_size, num_kv_heads, head_dim)
     return AttentionCase(
@@ -142,7 +162,7 @@ class AttentionBackendKit:
 
     @pytest.mark.parametrize("kind", list(BATCHES))
     def test_ragged_batches_match_reference(self, kind: str) -> None:
-        self.assert_matches_reference(make_case(*BATCHES[kind], seed=len(kind)))
+        self.assert_matches_reference(make_case(BATCHES[kind], seed=len(kind)))
 
     @pytest.mark.parametrize("kind", ["mixed", "decode"])
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
@@ -152,12 +172,12 @@ class AttentionBackendKit:
     @pytest.mark.parametrize("page_size", [1, 16])
     def test_layouts_match_reference(self, page_size: int, heads: tuple[int, int], head_dim: int,
                                      dtype: torch.dtype, kind: str) -> None:
-        self.assert_matches_reference(make_case(*BATCHES[kind], *heads, head_dim=head_dim, dtype=dtype,
+        self.assert_matches_reference(make_case(BATCHES[kind], *heads, head_dim=head_dim, dtype=dtype,
                                                 page_size=page_size, seed=page_size + head_dim))
 
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
     def test_output_shape_and_dtype(self, dtype: torch.dtype) -> None:
-        case = make_case(*BATCHES["mixed"], dtype=dtype)
+        case = make_case(BATCHES["mixed"], dtype=dtype)
         outputs, _ = run(self.make_backend(case.num_heads, case.num_kv_heads, case.head_dim), case, dtype)
         for (q, _, _), out in zip(case.qkv, outputs):
             assert out.shape == q.shape, f"forward returned {tuple(out.shape)}, expected q's {tuple(q.shape)}"
@@ -171,7 +191,7 @@ class AttentionBackendKit:
         """forward stores this step's k and v at out_cache_loc, in the cache's dtype, and nowhere else.
 
         That is AttentionBackend.forward's contract; q, k and v must not be modified either."""
-        case = make_case(*BATCHES[kind], dtype=dtype)
+        case = make_case(BATCHES[kind], dtype=dtype)
         originals = [tuple(t.to(dtype, copy=True) for t in qkv) for qkv in case.qkv]
         _, batch = run(self.make_backend(case.num_heads, case.num_kv_heads, case.head_dim), case, dtype)
         others = torch.ones(case.k_buffers[0].shape[0], dtype=torch.bool)
@@ -192,7 +212,7 @@ class AttentionBackendKit:
         stores and attends as `forward` does, layer by layer, on float32 q, k and v and a cache
         of `dtype`: the same outputs and the same cache, to the bit."""
         for seed, kind in enumerate(BATCHES):
-            case = make_case(*BATCHES[kind], dtype=dtype, seed=seed)
+            case = make_case(BATCHES[kind], dtype=dtype, seed=seed)
             backend = self.make_backend(case.num_heads, case.num_kv_heads, case.head_dim)
             native_batch = case.batch(backend, dtype)
             backend.prepare(native_batch)
@@ -221,4 +241,4 @@ class AttentionBackendKit:
         later batch of other shapes must not see the previous batch's metadata."""
         backend = self.make_backend(8, 2, 64)
         for seed, kind in enumerate(["mixed", "decode", "prefix_hits", "prefill"]):
-            self.assert_matches_reference(make_case(*BATCHES[kind], seed=seed), backend)
+            self.assert_matches_reference(make_case(BATCHES[kind], seed=seed), backend)
