@@ -455,12 +455,18 @@ def test_skip_tokenizer_init_serves_token_ids():
         assert server.stop() == 0
 
 
-def test_the_scheduler_does_not_outlive_a_killed_server():
-    server = Server("--skip-server-warmup")
+def test_the_scheduler_does_not_outlive_a_killed_server(tmp_path):
+    """Nor does the folder of their sockets (in TMPDIR), which the server had no time to remove."""
+    server = Server("--skip-server-warmup", env={"TMPDIR": str(tmp_path)})
     scheduler = server.scheduler_status()["pid"]
+    def socket_folders() -> list[Path]:
+        return [p for p in tmp_path.iterdir() if p.name.startswith("srv-")]
+
+    assert len(socket_folders()) == 1
     server.process.kill()
     server.process.wait()
     assert_gone({scheduler})
+    assert socket_folders() == []
 
 
 def test_http_process_reaches_the_scheduler_start_without_torch():

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import shutil
 import signal
 import tempfile
 import threading
@@ -46,7 +47,23 @@ class Shutdown:
     pass
 
 
-def run_scheduler_process(args: Namespace, requests_addr: str, outputs_addr: str) -> None:
+@dataclass(frozen=True)
+class SchedulerSockets:
+    """The folder of the two ZMQ sockets between the server and its scheduler process: the
+    server binds them and removes the folder at shutdown, or the scheduler removes it when it
+    finds the server killed."""
+    folder: str
+
+    @property
+    def requests(self) -> str:
+        return f"ipc://{self.folder}/requests"
+
+    @property
+    def outputs(self) -> str:
+        return f"ipc://{self.folder}/outputs"
+
+
+def run_scheduler_process(args: Namespace, sockets: SchedulerSockets) -> None:
     """Entry point of the child process."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logger.info("scheduler process %d started", os.getpid())
@@ -55,12 +72,13 @@ def run_scheduler_process(args: Namespace, requests_addr: str, outputs_addr: str
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, signal.SIG_IGN)
     install_gc_warning(args.gc_warning_threshold_secs)
-    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), name="srv-parent-watch", daemon=True).start()
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(), sockets), name="srv-parent-watch",
+                     daemon=True).start()
     context = zmq.Context()
     outputs = context.socket(zmq.PUSH)
-    outputs.connect(outputs_addr)
+    outputs.connect(sockets.outputs)
     requests = context.socket(zmq.PULL)
-    requests.connect(requests_addr)
+    requests.connect(sockets.requests)
     try:
         from srv.engine.engine import build_scheduler
         from srv.engine.scheduler_loop import SchedulerLoop
@@ -101,12 +119,14 @@ def run_scheduler_process(args: Namespace, requests_addr: str, outputs_addr: str
             outputs.send_pyobj(outs)
 
 
-def _exit_with_parent(parent: int) -> None:
+def _exit_with_parent(parent: int, sockets: SchedulerSockets) -> None:
     """A scheduler whose server was killed (SIGKILL leaves no time to shut it down) must not
-    live on holding its memory: once re-parented, it exits."""
+    live on holding its memory, nor leave the socket folder behind: once re-parented, it
+    removes the folder and exits."""
     while os.getppid() == parent:
         time.sleep(1.0)
     logger.error("the server process %d is gone; exiting", parent)
+    shutil.rmtree(sockets.folder, ignore_errors=True)
     os._exit(4)
 
 
@@ -136,16 +156,15 @@ class Watchdog:
 
 @dataclass
 class SpawnedScheduler:
-    """A started scheduler process and the folder of the ZMQ sockets it connects to, which
-    `SchedulerProcess` binds (ZMQ connects whichever side comes first) and removes at shutdown."""
+    """A started scheduler process and the sockets it connects to, which `SchedulerProcess`
+    binds (ZMQ connects whichever side comes first)."""
     process: BaseProcess
-    socket_dir: str
+    sockets: SchedulerSockets
 
 
 def spawn_scheduler_process(args: Namespace) -> SpawnedScheduler:
-    socket_dir = tempfile.mkdtemp(prefix="srv-")
+    sockets = SchedulerSockets(tempfile.mkdtemp(prefix="srv-"))
     process = multiprocessing.get_context("spawn").Process(
-        target=run_scheduler_process, name="srv-scheduler", daemon=True,
-        args=(args, f"ipc://{socket_dir}/requests", f"ipc://{socket_dir}/outputs"))
+        target=run_scheduler_process, name="srv-scheduler", daemon=True, args=(args, sockets))
     process.start()
-    return SpawnedScheduler(process, socket_dir)
+    return SpawnedScheduler(process, sockets)

@@ -33,12 +33,12 @@ class SchedulerProcess:
     def __init__(self, args: Namespace, registry: BackendRegistry, spawned: SpawnedScheduler,
                  on_death: Callable[[str], None]) -> None:
         self.args, self.registry, self.on_death = args, registry, on_death
-        self.process, self._socket_dir = spawned.process, spawned.socket_dir
+        self.process, self._sockets = spawned.process, spawned.sockets
         self._context = zmq.asyncio.Context()
         self._requests = zmq.Context.instance().socket(zmq.PUSH)
-        self._requests.bind(f"ipc://{self._socket_dir}/requests")
+        self._requests.bind(self._sockets.requests)
         self._outputs = self._context.socket(zmq.PULL)
-        self._outputs.bind(f"ipc://{self._socket_dir}/outputs")
+        self._outputs.bind(self._sockets.outputs)
         self.frontend: Frontend | None = None
         self.ready: SchedulerReady | None = None
         self._tasks: list[asyncio.Task] = []
@@ -105,4 +105,4 @@ class SchedulerProcess:
             self.process.join()
         self._requests.close(linger=0)
         self._outputs.close(linger=0)
-        shutil.rmtree(self._socket_dir, ignore_errors=True)
+        shutil.rmtree(self._sockets.folder, ignore_errors=True)
