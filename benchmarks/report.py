@@ -7,7 +7,7 @@ from pathlib import Path
 
 from benchmarks.grammar_cost import REGEX, mask_cost_rows
 from benchmarks.results import LAUNCH, BenchResults, Run
-from benchmarks.stats import medians, ratio
+from benchmarks.stats import median, medians, ratio, repetition_ratios
 from benchmarks.workloads import (INPUT_LEN, OUTPUT_LEN, SHARED_PREFIX_LEN, SWEEP, W1, W1_CONCURRENCY, W2,
                                   W2_CONCURRENCY, W3, sweep_name)
 
@@ -76,6 +76,22 @@ def headline(results: BenchResults) -> list[str]:
             note = row.hf_note if engine == "hf" and value is not None else ""
             cells.append(fmt(value, row.digits) + note)
         cells += [fmt_ratio(ratio(get.get(SRV), get[p])) for p in peers]
+        rows.append(cells)
+    return md_table(header, rows, "ll" + "r" * (len(header) - 2))
+
+
+def repetition_table(results: BenchResults) -> list[str]:
+    """The headline's ratios within each repetition, and their median."""
+    peers = [e for e in results.engines if e != SRV]
+    header = ["workload", "metric", *(f"srv/{p} {kind}" for p in peers for kind in ("by repetition", "median"))]
+    rows = []
+    for row in ROWS:
+        cells = [row.label, row.unit]
+        for peer in peers:
+            ratios = repetition_ratios(results.runs, SRV, peer, row.workload, row.metric)
+            # Three significant digits: a bound such as W2's 1/10 sits in the second one.
+            middle = median(ratios)
+            cells += [", ".join(f"{r:#.3g}" for r in ratios) or "–", "–" if middle is None else f"{middle:#.3g}×"]
         rows.append(cells)
     return md_table(header, rows, "ll" + "r" * (len(header) - 2))
 
@@ -206,6 +222,11 @@ def render(results: BenchResults, plot: str, notes: str) -> str:
               "Ratios are srv / peer of the metric as shown: above 1× srv is faster in tokens/s and slower in "
               "times (↑ higher is better, ↓ lower is better).", "",
               *headline(results), "", *HF_FOOTNOTES, "",
+              "### Ratios within each repetition", "",
+              "A repetition runs the engines one after the other, minutes apart: its ratio compares them on one "
+              "state of the machine, where the ratio of two medians above may pair one engine's quiet run with the "
+              "other's busy one.", "",
+              *repetition_table(results), "",
               "### Throughput vs concurrency", "",
               f"![output tokens/s vs concurrency]({plot})", "",
               f"Output tokens/s at each concurrency ({INPUT_LEN} in / {OUTPUT_LEN} out; HF: batch size). The "

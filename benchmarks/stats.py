@@ -23,6 +23,21 @@ def ratio(ours: float | None, theirs: float | None) -> float | None:
     return ours / theirs
 
 
+def repetition_ratios(runs: Iterable[Run], ours: str, theirs: str, workload: str, metric: str) -> list[float]:
+    """ours / theirs of one metric, repetition by repetition, where both engines completed the
+    workload without failed requests. A repetition runs the engines minutes apart, so its ratio
+    shares one state of the machine; the ratio of two medians may pair one engine's quiet run
+    with the other's busy one."""
+    values: dict[tuple[int, str], float] = {}
+    for run in runs:
+        if run.workload == workload and run.engine in (ours, theirs) and not run.metrics.get("failed") \
+                and run.metrics.get(metric) is not None:
+            values[(run.rep, run.engine)] = run.metrics[metric]
+    reps = sorted({rep for rep, _ in values})
+    pairs = (ratio(values.get((rep, ours)), values.get((rep, theirs))) for rep in reps)
+    return [r for r in pairs if r is not None]
+
+
 def medians(runs: Iterable[Run]) -> dict[Key, float]:
     """The median of each metric of each engine's workload over the repetitions that completed it:
     a run with failed requests says nothing about speed and is left out."""

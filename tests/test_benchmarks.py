@@ -22,7 +22,7 @@ from benchmarks.load import load_command  # noqa: E402
 from benchmarks.plot import plot_throughput  # noqa: E402
 from benchmarks.report import NOTES_BEGIN, NOTES_END, write_report  # noqa: E402
 from benchmarks.results import LAUNCH, BenchResults, Probe, Run  # noqa: E402
-from benchmarks.stats import median, medians, ratio  # noqa: E402
+from benchmarks.stats import median, medians, ratio, repetition_ratios  # noqa: E402
 from benchmarks.workloads import W1, W2, W3, num_prompts, workloads  # noqa: E402
 
 # Output tok/s per engine at each sweep point; W2 and W4 get fixed numbers below.
@@ -81,6 +81,15 @@ def test_medians_leave_out_runs_with_failed_requests():
     assert values[("hf", LAUNCH, "launch_to_first_token_s")] == pytest.approx(6.0)
 
 
+def test_repetition_ratios_pair_each_repetition_and_skip_failed_runs():
+    runs = [Run("srv", 1, W1, serve_metrics(300.0)), Run("llama.cpp", 1, W1, serve_metrics(100.0)),
+            Run("srv", 2, W1, serve_metrics(200.0)), Run("llama.cpp", 2, W1, serve_metrics(50.0)),
+            Run("srv", 3, W1, serve_metrics(200.0, failed=1)), Run("llama.cpp", 3, W1, serve_metrics(50.0)),
+            Run("srv", 4, W1, serve_metrics(200.0))]
+    assert repetition_ratios(runs, "srv", "llama.cpp", W1, "output_throughput") == [3.0, 4.0]
+    assert repetition_ratios(runs, "srv", "hf", W1, "output_throughput") == []
+
+
 def test_llama_slots_give_every_stream_room():
     groups = slot_configs(workloads(quick=False))
     assert [[w.name for w in ws] for ws in groups.values()] == [["c1", "c4", "c16", "prefix16"], ["c64"]]
@@ -131,6 +140,9 @@ def test_report_has_the_medians_ratios_and_keeps_the_notes(tmp_path):
     w4 = next(line for line in text.splitlines() if line.startswith("| W4:"))
     assert "| 4.00 | 1.00 | 6.00² | 4.00× | 0.67× |" in w4
     assert "| 64 | 600.0 | 700.0 | 300.0 | 0.86× | 2.00× |" in text
+    by_rep = text.split("### Ratios within each repetition", 1)[1]
+    w1 = next(line for line in by_rep.splitlines() if line.startswith("| W1:"))
+    assert "| 0.800, 0.800, 0.800 | 0.800× | 2.00, 2.00, 2.00 | 2.00× |" in w1
     assert "Test CPU" in text and "exited with -4" in text
     assert text.count("\n| srv | ") == 3 * 6 + 1                    # every run, the failed one too
     assert "A human wrote this." in text and "old" not in text.split("# Benchmarks")[0]
