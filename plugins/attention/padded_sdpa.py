@@ -44,8 +44,9 @@ class DecodeContext(ctypes.Structure):
     """What srv_decode_attention_layer reads: the caches of every layer and the step's metadata."""
     _fields_ = [("k_caches", ctypes.c_void_p), ("v_caches", ctypes.c_void_p), ("kv_format", ctypes.c_int64),
                 ("new_slots", ctypes.c_void_p), ("kv_slots", ctypes.c_void_p), ("seq_lens", ctypes.c_void_p),
-                ("groups", ctypes.c_void_p), ("group_count", ctypes.c_int64), ("kv_slots_stride", ctypes.c_int64), ("batch", ctypes.c_int64), ("heads", ctypes.c_int64),
-                ("kv_heads", ctypes.c_int64), ("d", ctypes.c_int64), ("scale", ctypes.c_float)]
+                ("groups", ctypes.c_void_p), ("group_count", ctypes.c_int64), ("kv_slots_stride", ctypes.c_int64),
+                ("batch", ctypes.c_int64), ("heads", ctypes.c_int64), ("kv_heads", ctypes.c_int64),
+                ("d", ctypes.c_int64), ("scale", ctypes.c_float)]
 
 
 def decode_context(k_caches: ctypes.Array, v_caches: ctypes.Array, kv_format: int, new_slots: torch.Tensor,
