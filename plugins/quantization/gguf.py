@@ -154,13 +154,16 @@ class GGUFLinear(nn.Module):
     def native_linear(self, rows: int) -> NativeKernel | None:
         """The kernels' product for `rows` float32 rows, or None where the dense copy computes it
         (from DENSE_FROM_FLOAT32_ROWS rows) or a bias is added."""
-        return self.weight.kernel if self.plain and rows < DENSE_FROM_FLOAT32_ROWS else None
+        return self.weight.kernel if self._kernel_alone(rows) else None
+
+    def _kernel_alone(self, rows: int) -> bool:
+        """Whether `rows` float32 rows are the kernel's product and nothing else."""
+        return self.plain and rows < DENSE_FROM_FLOAT32_ROWS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # The common case first, in as few operators as possible: decode runs this 100-odd times
-        # a step, where each operator call costs about a microsecond.
-        if self.plain and x.dtype == torch.float32 and x.dim() == 2 and x.shape[0] < DENSE_FROM_FLOAT32_ROWS \
-                and x.is_contiguous():
+        # The common case first, in as few operators as possible: a decode step that is not run
+        # natively calls this 100-odd times, where each operator call costs about a microsecond.
+        if x.dtype == torch.float32 and x.dim() == 2 and self._kernel_alone(x.shape[0]) and x.is_contiguous():
             return self.weight.matmul(x)
         rows = x.numel() // x.shape[-1]
         if rows >= (DENSE_FROM_FLOAT32_ROWS if x.dtype == torch.float32 else DENSE_FROM_OTHER_DTYPES_ROWS):
