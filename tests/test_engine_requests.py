@@ -196,10 +196,18 @@ async def test_async_generate_and_async_stream(tiny_models):
 def test_model_overrides_and_context_length(tiny_models, default_model_dir):
     with make_engine(tiny_models["llama"], context_length=48, json_model_override_args='{"rms_norm_eps": 0.5}') as engine:
         assert engine.runner.context_len == 48 and engine.runner.config.rms_norm_eps == 0.5
-        result = engine.generate(input_ids=list(range(3, 40)), sampling_params={"max_new_tokens": 30, "ignore_eos": True})
+        # max_new_tokens left to its default is cut to what the context holds; one asked for is refused.
+        result = engine.generate(input_ids=list(range(3, 40)), sampling_params={"ignore_eos": True})
         assert result["meta_info"]["finish_reason"]["type"] == "length" and len(result["output_ids"]) == 48 - 37
-        with pytest.raises(ValueError, match="more than the context of 48"):
+        with pytest.raises(ValueError, match="maximum context length of 48 tokens. You requested a total of 67 tokens"):
+            engine.generate(input_ids=list(range(3, 40)), sampling_params={"max_new_tokens": 30})
+        with pytest.raises(ValueError, match=r"The input \(57 tokens\) is longer than the model's context length"):
             engine.generate(input_ids=list(range(3, 60)), sampling_params=GREEDY)
+    with make_engine(tiny_models["llama"], context_length=48, allow_auto_truncate=True) as engine:
+        result = engine.generate(input_ids=list(range(3, 40)), sampling_params={"max_new_tokens": 30, "ignore_eos": True})
+        assert len(result["output_ids"]) == 48 - 37
+        result = engine.generate(input_ids=list(range(3, 60)), sampling_params={"max_new_tokens": 5, "ignore_eos": True})
+        assert result["meta_info"]["prompt_tokens"] == 47 and len(result["output_ids"]) == 1
 
 
 def test_tokenizer_workers_give_the_same_tokens(tiny_models):

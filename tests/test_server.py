@@ -211,14 +211,14 @@ def test_32_concurrent_requests_equal_their_sequential_outputs(client):
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": True}, 400, "max_tokens"),
     ("/v1/completions", {"model": MODEL, "prompt": 7}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "suffix": "!"}, 400, "suffix"),
-    ("/v1/completions", {"model": MODEL, "prompt": "hi", "top_p": 0}, 400, None),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "top_p": 0}, 400, "top_p"),
     ("/v1/completions", {"model": "no-such-model", "prompt": "hi"}, 404, "model"),
     ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"content": "no role"}]}, 400, "messages"),
     ("/v1/chat/completions", {"model": MODEL, "messages": "hi"}, 400, "messages"),
     ("/v1/completions", {"model": MODEL, "prompt": "word " * 9000}, 400, None),
-    ("/generate", {"text": "hi", "sampling_params": {"nonsense": 1}}, 400, None),
-    ("/generate", {"input_ids": [-1, 2]}, 400, None),
+    ("/generate", {"text": "hi", "sampling_params": {"nonsense": 1}}, 400, "sampling_params"),
+    ("/generate", {"input_ids": [-1, 2]}, 400, "input_ids"),
 ])
 def test_bad_input_gets_an_openai_error_and_the_server_keeps_serving(server, client, path, body, status, param):
     response = post(server, path, body)

@@ -4,11 +4,16 @@ Each push decodes only a small window of ids (the prefix/read-offset method of v
 TextIteratorStreamer): `decode(ids[prefix:])` minus `decode(ids[prefix:read])` is the new text,
 held back while it ends with "\\ufffd" (an incomplete multi-byte character). Text that could be
 the start of a stop string is held back too, until the next tokens show whether it is one.
+
+It is also srv's one stop-string matcher: the scheduler ends a request where its copy finds a
+stop string, and the front end's copy, fed the same tokens, cuts the text at the same place.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from srv.sdk.sampling import SamplingParams
 
 REPLACEMENT_CHAR = "\ufffd"
 
@@ -25,16 +30,24 @@ class IncrementalDetokenizer:
     """
 
     def __init__(self, tokenizer: Any, skip_special_tokens: bool = True,
-                 stop: list[str] | None = None) -> None:
+                 stop: list[str] | None = None, min_tokens: int = 0) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.stops = [s for s in (stop or []) if s]
+        # Stop strings count only once this many tokens are out (SGLang's min_new_tokens).
+        self.min_tokens = min_tokens
         self.ids: list[int] = []
         self._prefix_offset = 0   # window start: decoding from here gives the context for new text
         self._read_offset = 0     # ids before this are in the emitted (or stop-pending) text
         self._pending = ""        # final text held back: it may be the start of a stop string
         self._text = ""
         self._stopped: str | None = None
+
+    @classmethod
+    def for_request(cls, tokenizer: Any, params: SamplingParams) -> "IncrementalDetokenizer":
+        """The detokenizer of a request's output, stopping as its sampling parameters say (the
+        scheduler's and the front end's copies are made here, so they match alike)."""
+        return cls(tokenizer, stop=params.stop, min_tokens=params.min_new_tokens)
 
     @property
     def text(self) -> str:
@@ -79,7 +92,7 @@ class IncrementalDetokenizer:
         """Emit pending + delta up to a stop string (ending the stream) or, unless final, up to
         its longest tail that is a proper prefix of some stop string."""
         text = self._pending + delta
-        if self.stops:
+        if self.stops and len(self.ids) >= self.min_tokens:
             # Earliest match; at one position, the shortest stop string (the one completed first).
             hits = [(i, len(s), s) for s in self.stops if (i := text.find(s)) >= 0]
             if hits:
@@ -87,7 +100,7 @@ class IncrementalDetokenizer:
                 self._pending = ""
                 self._text += text[:i]
                 return text[:i]
-        held = 0 if final else max((k for s in self.stops for k in range(min(len(s) - 1, len(text)), 0, -1)
+        held = 0 if final or len(self.ids) < self.min_tokens else max((k for s in self.stops for k in range(min(len(s) - 1, len(text)), 0, -1)
                                     if text.endswith(s[:k])), default=0)
         out, self._pending = text[:len(text) - held], text[len(text) - held:]
         self._text += out

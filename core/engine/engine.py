@@ -68,7 +68,7 @@ class Engine:
         self._inbox: queue.Queue = queue.Queue()
         self._stopped = threading.Event()
         self._events = asyncio.new_event_loop()
-        self.frontend = Frontend(self._inbox.put, self.tokenizer, args, self.runner.context_len,
+        self.frontend = Frontend(self._inbox.put, self.tokenizer, args, self.scheduler.request_limits(),
                                  str(self.runner.model_dir), self.scheduler.grammars)
         threading.Thread(target=self._events.run_forever, name="srv-frontend", daemon=True).start()
         self._thread = threading.Thread(target=self._run_scheduler, name="srv-scheduler", daemon=True)

@@ -3,27 +3,31 @@ and turn its outputs into per-request state (incrementally detokenized).
 
 It runs on an asyncio event loop and talks to the scheduler through `send(message)`; whoever
 receives the scheduler's outputs calls `dispatch` on that loop. `srv.Engine` wires it to a
-scheduler thread, the HTTP server to a scheduler process over ZMQ.
+scheduler thread, the HTTP server to a scheduler process over ZMQ. Tokenizing and other work
+that grows with the size of a request runs in a worker thread (or the tokenizer processes of
+--tokenizer-worker-num), never on the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import uuid
 from argparse import Namespace
-from dataclasses import fields, replace
-from typing import Any, AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from typing import Any, AsyncIterator, Callable, TypeVar
 
 from srv.engine.grammar import GrammarCompiler
 from srv.engine.io import AbortRequest, ControlRequest, ControlResult, GenerateRequest, RequestOutput
+from srv.engine.limits import RequestLimits
+from srv.engine.params import InvalidRequest, SamplingParamsInput, make_sampling_params, max_new_tokens_given
 from srv.engine.request_state import RequestState
 from srv.engine.tokenizer import TokenizerPool
-from srv.sdk.grammar import GRAMMAR_KINDS
 from srv.sdk.sampling import SamplingParams
 
-SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
+T = TypeVar("T")
+RawParams = dict[str, Any] | SamplingParamsInput | None
 
 
 class QueueFull(Exception):
@@ -34,52 +38,27 @@ class EngineDead(Exception):
     """The scheduler stopped; no request can be served."""
 
 
-def make_sampling_params(raw: dict[str, Any] | None) -> SamplingParams:
-    raw = dict(raw or {})
-    unknown = set(raw) - SAMPLING_FIELDS
-    if unknown:
-        raise ValueError(f"unknown sampling parameters: {', '.join(sorted(unknown))}")
-    if isinstance(raw.get("stop"), str):
-        raw["stop"] = [raw["stop"]]
-    if isinstance(raw.get("json_schema"), dict):
-        raw["json_schema"] = json.dumps(raw["json_schema"])
-    if raw.get("logit_bias"):
-        raw["logit_bias"] = {int(k): float(v) for k, v in raw["logit_bias"].items()}
+def check_text(text: str, what: str = "the prompt") -> str:
+    """`text` if it can be encoded (JSON's \\ud800 escapes give lone surrogates, which no
+    tokenizer takes), else InvalidRequest."""
     try:
-        params = SamplingParams(**raw)
-    except TypeError as exc:
-        raise ValueError(str(exc)) from None
-    checks = [
-        (isinstance(params.max_new_tokens, int) and params.max_new_tokens >= 0, "max_new_tokens must be an integer >= 0"),
-        (isinstance(params.n, int) and params.n >= 1, "n must be an integer >= 1"),
-        (isinstance(params.temperature, (int, float)) and params.temperature >= 0, "temperature must be >= 0"),
-        (isinstance(params.top_p, (int, float)) and 0 < params.top_p <= 1, "top_p must be in (0, 1]"),
-        (isinstance(params.top_k, int) and (params.top_k == -1 or params.top_k >= 1), "top_k must be -1 or >= 1"),
-        (isinstance(params.min_p, (int, float)) and 0 <= params.min_p <= 1, "min_p must be in [0, 1]"),
-        (isinstance(params.repetition_penalty, (int, float)) and params.repetition_penalty > 0,
-         "repetition_penalty must be > 0"),
-        (isinstance(params.top_logprobs, int) and 0 <= params.top_logprobs <= 20, "top_logprobs must be in [0, 20]"),
-        (all(isinstance(s, str) and s for s in params.stop), "stop must be a string or a list of non-empty strings"),
-        (all(isinstance(t, int) for t in params.stop_token_ids), "stop_token_ids must be integers"),
-        (all(isinstance(getattr(params, k), (str, type(None))) for k in GRAMMAR_KINDS),
-         "json_schema, regex and ebnf must be strings"),
-        (sum(getattr(params, k) is not None for k in GRAMMAR_KINDS) <= 1,
-         "give at most one of json_schema, regex and ebnf"),
-    ]
-    for ok, message in checks:
-        if not ok:
-            raise ValueError(message)
-    return params
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequest(f"{what} is not valid Unicode: {exc.reason} at position {exc.start}") from None
+    return text
 
 
 class Frontend:
     def __init__(self, send: Callable[[Any], None], tokenizer: Any | None, server_args: Namespace,
-                 context_len: int, model_dir: str, grammars: GrammarCompiler | None = None) -> None:
-        self.send, self.tokenizer, self.args, self.context_len = send, tokenizer, server_args, context_len
+                 limits: RequestLimits, model_dir: str, grammars: GrammarCompiler | None = None) -> None:
+        self.send, self.tokenizer, self.args, self.limits = send, tokenizer, server_args, limits
         # Compiles each request's grammar before it is queued, so an invalid one is the caller's error.
         self.grammars = grammars
         self._tokenizer_pool = (TokenizerPool(server_args, model_dir, server_args.tokenizer_worker_num)
                                 if tokenizer is not None and server_args.tokenizer_worker_num > 1 else None)
+        # One thread for the front end's CPU work (tokenizing, chat templates): a 5 MB prompt
+        # takes seconds to tokenize, and the event loop must answer /health meanwhile.
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="srv-frontend-worker")
         self._queues: dict[str, asyncio.Queue] = {}
         self._calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
@@ -87,6 +66,14 @@ class Frontend:
         self.dead: str | None = None
         # Called with (state, output) after every update: the server's metrics, logs and traces.
         self.observers: list[Callable[[RequestState, RequestOutput], None]] = []
+
+    @property
+    def context_len(self) -> int:
+        return self.limits.context_len
+
+    async def off_loop(self, function: Callable[..., T], *args: Any) -> T:
+        """`function(*args)` in the front end's worker thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._worker, function, *args)
 
     # ---- from the scheduler -------------------------------------------------------------------
 
@@ -114,48 +101,56 @@ class Frontend:
     # ---- requests -------------------------------------------------------------------------------
 
     async def tokenize(self, prompt: str | None, input_ids: list[int] | None) -> list[int]:
-        if input_ids is None:
-            if prompt is None:
-                raise ValueError("give a prompt or input_ids")
-            if self.tokenizer is None:
-                raise ValueError("the tokenizer is skipped (--skip-tokenizer-init): send input_ids")
-            if not isinstance(prompt, str):
-                raise ValueError("the prompt must be a string")
-            input_ids = (await self._tokenizer_pool.encode(prompt) if self._tokenizer_pool is not None
-                         else self.tokenizer.encode(prompt))
-        if not isinstance(input_ids, list) or not all(isinstance(t, int) and t >= 0 for t in input_ids):
-            raise ValueError("input_ids must be a list of non-negative integers")
-        if not input_ids:
-            raise ValueError("the prompt is empty")
-        if len(input_ids) >= self.context_len:
-            if not self.args.allow_auto_truncate:
-                raise ValueError(f"the prompt has {len(input_ids)} tokens, more than the context of "
-                                 f"{self.context_len} tokens allows (--allow-auto-truncate cuts it)")
-            input_ids = input_ids[-(self.context_len - 1):]
-        return input_ids
+        if input_ids is not None:
+            if not isinstance(input_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                          for t in input_ids):
+                raise InvalidRequest("input_ids must be a list of integers", "input_ids")
+            return input_ids
+        if prompt is None:
+            raise InvalidRequest("give a prompt or input_ids")
+        if self.tokenizer is None:
+            raise InvalidRequest("the tokenizer is skipped (--skip-tokenizer-init): send input_ids")
+        if not isinstance(prompt, str):
+            raise InvalidRequest("the prompt must be a string")
+        check_text(prompt)
+        try:
+            if self._tokenizer_pool is not None:
+                return await self._tokenizer_pool.encode(prompt)
+            return await self.off_loop(self.tokenizer.encode, prompt)
+        except (TypeError, ValueError) as exc:   # what tokenizers raise on text they cannot take
+            raise InvalidRequest(f"the prompt could not be tokenized: {exc}") from None
 
     async def check_grammar(self, params: SamplingParams) -> None:
         spec = params.grammar
         if spec is None:
             return
         if self.grammars is None:
-            raise ValueError("constrained decoding needs the tokenizer (--skip-tokenizer-init is set)")
+            raise InvalidRequest("constrained decoding needs the tokenizer (--skip-tokenizer-init is set)")
         await asyncio.to_thread(self.grammars.check, spec)
 
-    def _check_can_submit(self, priority: int | None) -> None:
+    async def prepare(self, prompt: str | None, input_ids: list[int] | None,
+                      raw_params: RawParams) -> tuple[list[int], SamplingParams]:
+        """A request's tokens and sampling parameters, checked and fitted to the model's limits."""
+        params = make_sampling_params(raw_params)
+        ids, params = self.limits.fit(await self.tokenize(prompt, input_ids), params,
+                                      max_new_tokens_given(raw_params))
+        await self.check_grammar(params)
+        return ids, params
+
+    def _check_can_submit(self, priority: int | None, count: int = 1) -> None:
         if self.dead is not None:
             raise EngineDead(self.dead)
         if priority is not None and not self.args.enable_priority_scheduling:
-            raise ValueError("a request priority needs --enable-priority-scheduling")
+            raise InvalidRequest("a request priority needs --enable-priority-scheduling", "priority")
         limit = self.args.max_queued_requests
-        if limit is not None and len(self._not_started) >= limit:
-            raise QueueFull(f"{len(self._not_started)} requests are queued (--max-queued-requests {limit})")
+        if limit is not None and len(self._not_started) + count > limit:
+            raise QueueFull(f"{len(self._not_started)} requests are queued and this one adds {count} "
+                            f"(--max-queued-requests {limit})")
 
     def _submit(self, input_ids: list[int], params: SamplingParams, priority: int | None,
                 rid: str | None = None, labels: dict[str, str] | None = None) -> RequestState:
-        self._check_can_submit(priority)
         if rid is not None and rid in self._queues:
-            raise ValueError(f"a request with rid {rid!r} is already running")
+            raise InvalidRequest(f"a request with rid {rid!r} is already running", "rid")
         state = RequestState(rid or uuid.uuid4().hex, input_ids, params, self.tokenizer, labels)
         self._queues[state.rid] = asyncio.Queue()
         self._not_started.add(state.rid)
@@ -183,32 +178,33 @@ class Frontend:
             if not state.finished and self.dead is None:
                 self.send(AbortRequest(state.rid))
 
-    async def stream(self, prompt: str | None, input_ids: list[int] | None, raw_params: dict | None,
+    async def stream(self, prompt: str | None, input_ids: list[int] | None, raw_params: RawParams,
                      priority: int | None = None, interval: int = 1, rid: str | None = None,
                      labels: dict[str, str] | None = None) -> AsyncIterator[RequestState]:
         """One request (n = 1), its state after each update. Checks run before the first yield."""
-        params = make_sampling_params(raw_params)
+        ids, params = await self.prepare(prompt, input_ids, raw_params)
         if params.n != 1:
-            raise ValueError("streaming takes n = 1")
-        await self.check_grammar(params)
-        state = self._submit(await self.tokenize(prompt, input_ids), params, priority, rid, labels)
+            raise InvalidRequest("streaming takes n = 1", "n")
+        self._check_can_submit(priority)
+        state = self._submit(ids, params, priority, rid, labels)
         return self._follow(state, interval)
 
     async def generate(self, prompts: list[str | None], input_ids: list[list[int] | None],
-                       raw_params: list[dict | None], priority: int | None = None,
+                       raw_params: list[RawParams], priority: int | None = None,
                        labels: dict[str, str] | None = None) -> list[list[RequestState]]:
         """Every prompt, n copies each, run to the end. The prompt of an n > 1 request is
-        prefilled once first, so its copies find it in the prefix cache."""
-        prepared = [(await self.tokenize(p, i), make_sampling_params(r)) for p, i, r in zip(prompts, input_ids, raw_params)]
-        for _, params in prepared:
-            await self.check_grammar(params)
+        prefilled once first, so its copies find it in the prefix cache. Either every request
+        of the call is queued or none is."""
+        prepared = [await self.prepare(p, i, r) for p, i, r in zip(prompts, input_ids, raw_params)]
+        self._check_can_submit(priority, sum(params.n + (params.n > 1) for _, params in prepared))
         warmups = [self._submit(ids, replace(params, max_new_tokens=0, n=1), priority, labels=labels)
                    for ids, params in prepared if params.n > 1]
-        for warmup in warmups:
-            await self._finish(warmup)
+        await asyncio.gather(*(self._finish(warmup) for warmup in warmups))
         groups = [[self._submit(ids, replace(params, n=1), priority, labels=labels) for _ in range(params.n)]
                   for ids, params in prepared]
-        return [list(await asyncio.gather(*(self._finish(s) for s in group))) for group in groups]
+        # One gather for all: cancelling the call (its client left) aborts every request in it.
+        await asyncio.gather(*(self._finish(state) for group in groups for state in group))
+        return groups
 
     async def _finish(self, state: RequestState) -> RequestState:
         async for _ in self._follow(state):
@@ -219,6 +215,7 @@ class Frontend:
         self.send(AbortRequest(rid))
 
     def close(self) -> None:
+        self._worker.shutdown(wait=False, cancel_futures=True)
         if self._tokenizer_pool is not None:
             self._tokenizer_pool.close()
 

@@ -7,6 +7,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
+from srv.engine.detokenizer import IncrementalDetokenizer
 from srv.sdk.grammar import GrammarMatcher
 from srv.sdk.sampling import SamplingParams
 
@@ -42,6 +43,11 @@ class Req:
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     retractions: int = 0
     grammar: GrammarMatcher | None = None   # the request's constraint (json_schema, regex or ebnf)
+    # The output's text as far as stop strings need it: the front end cuts its text with the
+    # same matcher, so both agree where a stop string ended the request.
+    stop_matcher: IncrementalDetokenizer | None = None
+    error: str | None = None        # why the scheduler failed this request (it ends as ABORT)
+    skipped_since: float | None = None   # when admission first passed it over for lack of KV memory
 
     @property
     def token_ids(self) -> list[int]:

@@ -27,8 +27,7 @@ class RequestState:
         self.error: str | None = None
         self.cached_tokens = 0
         self.text = ""
-        self._detokenizer = (IncrementalDetokenizer(tokenizer, stop=params.stop)
-                             if tokenizer is not None else None)
+        self._detokenizer = IncrementalDetokenizer.for_request(tokenizer, params) if tokenizer is not None else None
 
     @property
     def finished(self) -> bool:
@@ -50,7 +49,8 @@ class RequestState:
             self.finish_reason, self.matched_stop = out.finish_reason, out.matched_stop
         if self._detokenizer is None:
             return ""
-        added = self._detokenizer.push(out.new_ids)
+        # A token at a time, as the scheduler's stop matcher takes them, so both cut alike.
+        added = "".join(self._detokenizer.push([token]) for token in out.new_ids)
         if self.finished:
             added += self._detokenizer.finish()
         self.text += added

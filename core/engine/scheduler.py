@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import threading
 import time
 from argparse import Namespace
@@ -20,12 +21,14 @@ from typing import Any, Callable
 import torch
 
 from srv.backend_registry import BackendRegistry
+from srv.engine.detokenizer import IncrementalDetokenizer
 from srv.engine.grammar import GrammarCompiler
+from srv.engine.limits import RequestLimits
 from srv.engine.memory import OutOfKVMemory, PagedSlotAllocator, ReqToTokenPool
 from srv.engine.model_runner import ModelRunner
 from srv.engine.radix_cache import RadixCache
 from srv.engine.request import FinishReason, Req
-from srv.sdk.grammar import GrammarError, allocate_bitmask, apply_bitmask
+from srv.sdk.grammar import GrammarError, allocate_bitmask
 from srv.sdk.sampling import SamplingBatch
 
 logger = logging.getLogger("srv.scheduler")
@@ -42,6 +45,14 @@ NEW_TOKEN_RATIO_DECAY = 0.001
 # A waiting request whose prompt shares at least this many not-yet-cached tokens with a request
 # being prefilled waits for that prefill (as SGLang's in-batch prefix caching check).
 IN_BATCH_PREFIX_MIN_TOKENS = 32
+# Admission counts at most this many of a request's future tokens as its KV need (SGLang's clip of
+# max_new_tokens): most requests stop long before a large max_tokens, and retraction covers the rest.
+CLIP_MAX_NEW_TOKENS = 4096
+# A waiting request that does not fit lets the ones behind it start for this long; then
+# admission waits for it (running requests end, and it fits), so it is never starved either.
+MAX_SKIP_S = 5.0
+# What a log-probability of -inf (a token the model gives no probability) is reported as.
+LOGPROB_FLOOR = -9999.0
 
 
 @dataclass
@@ -96,6 +107,8 @@ class Scheduler:
         self.crash_on_nan = str(args.crash_on_nan).lower() in ("true", "1", "yes")
         self.waiting: list[Req] = []
         self.running: list[Req] = []
+        self.failed: list[Req] = []     # ended by an error since the loop last asked
+        self._in_step: list[Req] = []   # what the current step scheduled or is admitting
         self.stats = SchedulerStats()
 
     def set_tokenizer_loader(self, load: Callable[[], Any] | None) -> None:
@@ -124,17 +137,21 @@ class Scheduler:
         eos = getattr(runner.config, "eos_token_id", None)
         return [] if eos is None else list(eos) if isinstance(eos, (list, tuple)) else [eos]
 
+    def request_limits(self) -> RequestLimits:
+        """What one request may ask (the front end holds every request to it before queueing)."""
+        return RequestLimits(self.runner.context_len, self.runner.config.vocab_size, self.allocator.capacity_tokens,
+                             bool(self.args.allow_auto_truncate))
+
     # ---- requests in and out -------------------------------------------------------------
 
     def add(self, req: Req) -> None:
-        if req.seq_len >= self.runner.context_len:
-            raise ValueError(f"prompt of {req.prompt_len} tokens does not fit the context of "
-                             f"{self.runner.context_len} tokens")
         spec = req.params.grammar
         if spec is not None:
             if self.grammars is None:
                 raise GrammarError("constrained decoding needs the tokenizer (--skip-tokenizer-init is set)")
             req.grammar = self.grammars.matcher(spec)
+        if req.params.stop and self.tokenizer is not None:
+            req.stop_matcher = IncrementalDetokenizer.for_request(self.tokenizer, req.params)
         self.waiting.append(req)
 
     def abort(self, rid: str) -> Req | None:
@@ -146,6 +163,28 @@ class Scheduler:
                     self._release(req)
                     return req
         return None
+
+    def fail(self, req: Req, error: str) -> None:
+        """End `req` with an error (it ends as ABORT and its KV is freed); the loop reports it."""
+        for queue in (self.waiting, self.running):
+            if any(r is req for r in queue):
+                queue.remove(req)
+        req.finish_reason, req.error = FinishReason.ABORT, error
+        self._release(req)
+        self.failed.append(req)
+
+    def fail_step(self, error: str) -> None:
+        """A step raised: fail the requests it had scheduled or was admitting, and keep the rest.
+        A failure before any request was in hand (a policy plugin's, say) would recur at every
+        step, so it fails the waiting requests."""
+        for req in self._in_step or list(self.waiting):
+            if not req.finished:
+                self.fail(req, error)
+        self._in_step = []
+
+    def take_failed(self) -> list[Req]:
+        failed, self.failed = self.failed, []
+        return failed
 
     @property
     def has_work(self) -> bool:
@@ -249,7 +288,7 @@ class Scheduler:
     def _decode_headroom(self) -> int:
         """KV tokens to keep free for the running requests' future output when admitting more:
         their remaining max_new_tokens, scaled by the adaptive new-token ratio."""
-        remaining = sum(r.max_new_tokens - len(r.output_ids) for r in self.running)
+        remaining = sum(min(r.max_new_tokens - len(r.output_ids), CLIP_MAX_NEW_TOKENS) for r in self.running)
         return int(remaining * self.new_token_ratio) + len(self.running) * self.allocator.page_size
 
     # ---- one step ------------------------------------------------------------------------
@@ -268,11 +307,15 @@ class Scheduler:
         for req in partial + waiting:
             if budget <= 0:
                 break
+            self._in_step = [req]
             if req.row is None:
                 if self._shares_uncached_prefix(req, [r for r, _ in scheduled]):
                     continue
                 if not self._try_admit(req, budget, [r for r, _ in scheduled]):
+                    if self._may_pass_over(req):
+                        continue
                     break
+                req.skipped_since = None
             extend = min(req.seq_len - req.kv_len, budget)
             try:
                 self._reserve(req, req.kv_len + extend)
@@ -281,6 +324,14 @@ class Scheduler:
             scheduled.append((req, extend))
             budget -= extend
         return scheduled
+
+    @staticmethod
+    def _may_pass_over(req: Req) -> bool:
+        """Whether requests behind `req`, which does not fit now, may start before it."""
+        now = time.monotonic()
+        if req.skipped_since is None:
+            req.skipped_since = now
+        return now - req.skipped_since < MAX_SKIP_S
 
     def _shares_uncached_prefix(self, req: Req, scheduled: list[Req]) -> bool:
         """Whether `req` starts with a long prefix that a request in this step is computing:
@@ -301,7 +352,8 @@ class Scheduler:
             if len(self.running) < self.max_running and self.req_pool.free_rows:
                 self._admit(req)
                 extend = min(req.seq_len - req.kv_len, budget)
-                own_output = int(self.new_token_ratio * (req.max_new_tokens - len(req.output_ids)))
+                own_output = int(self.new_token_ratio * min(req.max_new_tokens - len(req.output_ids),
+                                                            CLIP_MAX_NEW_TOKENS))
                 if self._make_room(extend + own_output + self._decode_headroom()):
                     break
                 self._release(req)
@@ -315,7 +367,7 @@ class Scheduler:
         return True
 
     def _schedule_decode(self) -> list[tuple[Req, int]]:
-        decoding = [r for r in self.running if r.kv_len + 1 == r.seq_len]
+        decoding = self._in_step = [r for r in self.running if r.kv_len + 1 == r.seq_len]
         if decoding:
             self.new_token_ratio = max(self.min_new_token_ratio, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         while decoding:
@@ -325,14 +377,17 @@ class Scheduler:
                 break
             except OutOfKVMemory:
                 if len(self.running) == 1:
-                    raise
+                    self.fail(self.running[0], "the KV cache is full: this request's context does not fit it")
+                    return []
                 self._retract()
                 decoding = [r for r in self.running if r.kv_len + 1 == r.seq_len]
         return [(r, 1) for r in decoding]
 
     def step(self) -> list[Req]:
-        """Run one forward pass; returns the requests that got a token (finished ones included)."""
+        """Run one forward pass; returns the requests that got a token (finished ones included).
+        A request whose computation raises is failed (see `fail`), the others go on."""
         started = time.perf_counter()
+        self._in_step = []
         batch = self._schedule_prefill() if self.waiting or any(r.kv_len + 1 < r.seq_len for r in self.running) else []
         if batch and self.args.enable_mixed_chunk:
             scheduled = {id(r) for r, _ in batch}
@@ -341,8 +396,11 @@ class Scheduler:
             batch = self._schedule_decode()
         if not batch:
             return []
+        self._in_step = [req for req, _ in batch]
         scheduled_at = time.perf_counter()
-        logits = self._forward(batch)
+        batch, logits = self._forward_isolating_failures(batch)
+        if not batch:
+            return []
         if self.tree is not None:
             for req, extend in batch:
                 if extend > 1:
@@ -358,6 +416,26 @@ class Scheduler:
                         len(batch), sum(e for _, e in batch), (scheduled_at - started) * 1e3,
                         (forwarded_at - scheduled_at) * 1e3, (time.perf_counter() - forwarded_at) * 1e3)
         return reqs
+
+    def _forward_isolating_failures(self, batch: list[tuple[Req, int]]) -> tuple[list[tuple[Req, int]], torch.Tensor]:
+        """The batch's logits; when the batch's forward raises, each request runs alone and those
+        that still raise are failed, so one bad request cannot take its batch down with it."""
+        try:
+            return batch, self._forward(batch)
+        except Exception as exc:
+            if len(batch) == 1:
+                raise
+            logger.warning("a forward pass of %d requests raised %s; running them one by one", len(batch),
+                           type(exc).__name__)
+        kept, rows = [], []
+        for item in batch:
+            try:
+                rows.append(self._forward([item]))
+                kept.append(item)
+            except Exception as exc:
+                logger.exception("request %s failed in the forward pass", item[0].rid)
+                self.fail(item[0], f"the forward pass failed: {type(exc).__name__}: {exc}")
+        return kept, torch.cat(rows) if rows else torch.empty(0)
 
     def _forward(self, batch: list[tuple[Req, int]]) -> torch.Tensor:
         ids, positions, locs = [], [], []
@@ -380,7 +458,6 @@ class Scheduler:
         self.stats.forward_steps += 1
         return logits
 
-    # The logits are the model's output, made under inference mode: grammars mask them in place.
     @torch.inference_mode()
     def _process(self, batch: list[tuple[Req, int]], logits: torch.Tensor) -> list[Req]:
         complete = [i for i, (req, _) in enumerate(batch) if req.kv_len == req.seq_len]
@@ -394,48 +471,61 @@ class Scheduler:
         if not ready:
             return prefill_only
         reqs = [batch[i][0] for i in ready]
+        self._in_step = reqs
         sampling = SamplingBatch([r.params for r in reqs], [r.token_ids for r in reqs],
-                                 [r.prompt_len for r in reqs], self.eos_ids)
+                                 [r.prompt_len for r in reqs], self.eos_ids, self._grammar_mask(reqs, logits.shape[-1]))
         if len(ready) < len(batch):
             logits = logits[ready]
-        self._apply_grammars(reqs, logits)
         out = self.runner.sampler.sample(logits, sampling)
         tokens = out.next_token_ids.tolist()
+        done = []
         for j, req in enumerate(reqs):
-            req.output_ids.append(tokens[j])
-            if req.grammar is not None and not req.grammar.accept_token(tokens[j]):
-                logger.error("request %s: the sampler chose token %d, which its grammar forbids", req.rid, tokens[j])
-                req.finish_reason = FinishReason.ABORT
-            if out.logprobs is not None:
-                req.logprobs.append(float(out.logprobs[j]))
-            if out.top_logprobs is not None and req.params.top_logprobs:
-                values, ids = out.top_logprobs
-                k = req.params.top_logprobs
-                req.top_logprobs.append(list(zip(ids[j, :k].tolist(), values[j, :k].tolist())))
-            self.stats.generated_tokens += 1
-            self._check_finished(req)
+            try:
+                self._append_token(req, tokens[j], out, j)
+            except Exception as exc:
+                logger.exception("request %s failed after sampling", req.rid)
+                self.fail(req, f"{type(exc).__name__}: {exc}")
+                continue
+            done.append(req)
             if req.finished:
                 self.running.remove(req)
                 self._release(req)
-        return prefill_only + reqs
+        return prefill_only + done
+
+    def _append_token(self, req: Req, token: int, out: Any, row: int) -> None:
+        req.output_ids.append(token)
+        if req.grammar is not None and not req.grammar.accept_token(token):
+            logger.error("request %s: the sampler chose token %d, which its grammar forbids", req.rid, token)
+            req.finish_reason = FinishReason.ABORT
+        if out.logprobs is not None:
+            req.logprobs.append(_reportable(float(out.logprobs[row])))
+        if out.top_logprobs is not None and req.params.top_logprobs:
+            values, ids = out.top_logprobs
+            k = req.params.top_logprobs
+            req.top_logprobs.append(list(zip(ids[row, :k].tolist(), map(_reportable, values[row, :k].tolist()))))
+        self.stats.generated_tokens += 1
+        self._check_finished(req)
 
     @staticmethod
-    def _apply_grammars(reqs: list[Req], logits: torch.Tensor) -> None:
-        """Mask the logits of constrained requests down to the tokens their grammar allows."""
+    def _grammar_mask(reqs: list[Req], vocab_size: int) -> torch.Tensor | None:
+        """The tokens each request's grammar allows next (every token for a free request), or
+        None when no request of the batch is constrained."""
         constrained = [j for j, req in enumerate(reqs) if req.grammar is not None]
         if not constrained:
-            return
-        bitmask = allocate_bitmask(len(constrained), logits.shape[-1])
-        for row, j in enumerate(constrained):
-            reqs[j].grammar.fill_bitmask(bitmask, row)
-        rows = logits[constrained]
-        apply_bitmask(rows, bitmask)
-        logits[constrained] = rows
+            return None
+        bitmask = allocate_bitmask(len(reqs), vocab_size)
+        for j in constrained:
+            reqs[j].grammar.fill_bitmask(bitmask, j)
+        return bitmask
 
     def _check_finished(self, req: Req) -> None:
+        token, params = req.output_ids[-1], req.params
+        stop_string = None
+        if req.stop_matcher is not None:
+            req.stop_matcher.push([token])
+            stop_string = req.stop_matcher.stopped
         if req.finished:
             return
-        token, params = req.output_ids[-1], req.params
         if req.grammar is not None and req.grammar.is_terminated():
             req.finish_reason, req.matched_stop = FinishReason.STOP, token
             return
@@ -443,12 +533,9 @@ class Scheduler:
             if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_ids):
                 req.finish_reason, req.matched_stop = FinishReason.STOP, token
                 return
-            if params.stop and self.tokenizer is not None:
-                tail = self.tokenizer.decode(req.output_ids[-(max(map(len, params.stop)) + 8):], skip_special_tokens=True)
-                for stop in params.stop:
-                    if stop in tail:
-                        req.finish_reason, req.matched_stop = FinishReason.STOP, stop
-                        return
+            if stop_string is not None:
+                req.finish_reason, req.matched_stop = FinishReason.STOP, stop_string
+                return
         if len(req.output_ids) >= params.max_new_tokens or req.seq_len >= self.runner.context_len:
             req.finish_reason = FinishReason.LENGTH
 
@@ -460,6 +547,11 @@ class Scheduler:
 
     def flush_cache(self) -> bool:
         return True if self.tree is None else self.tree.flush()
+
+
+def _reportable(logprob: float) -> float:
+    """A log-probability JSON can carry (no -inf, no NaN)."""
+    return logprob if math.isfinite(logprob) else LOGPROB_FLOOR
 
 
 def _common_prefix_len(a: list[int], b: list[int]) -> int:

@@ -1,6 +1,9 @@
 """Runs a Scheduler against incoming messages and turns its steps into `RequestOutput`s.
 
 Transport-free: `srv.Engine` drives it from a thread, the server's scheduler process from ZMQ.
+A request that makes the scheduler raise ends with an error and the loop goes on; only a fault
+that leaves the process unusable (--crash-on-nan's, one from inside the failure handling)
+propagates, and ends the process with its crash dump.
 """
 
 from __future__ import annotations
@@ -37,7 +40,9 @@ class SchedulerLoop:
             req = Req(message.rid, message.input_ids, message.params, priority=message.priority)
             try:
                 self.scheduler.add(req)
-            except ValueError as exc:
+            except Exception as exc:
+                if not isinstance(exc, ValueError):
+                    logger.exception("request %s could not be queued", req.rid)
                 return [RequestOutput(message.rid, prompt_tokens=req.prompt_len, error=str(exc))]
             self._sent[req.rid] = 0
             return []
@@ -50,7 +55,15 @@ class SchedulerLoop:
         return [ControlResult(message.call_id, method())]
 
     def step(self) -> list[RequestOutput]:
-        outputs = [self._output(req) for req in self.scheduler.step()]
+        try:
+            stepped = self.scheduler.step()
+        except FloatingPointError:   # --crash-on-nan asks for the process to end
+            raise
+        except Exception as exc:
+            logger.exception("a scheduler step failed; failing the requests it held")
+            self.scheduler.fail_step(f"internal error: {type(exc).__name__}: {exc}")
+            stepped = []
+        outputs = [self._output(req) for req in self.scheduler.take_failed() + stepped]
         now, stats = time.monotonic(), self.scheduler.stats
         self._generated.append((now, stats.generated_tokens))
         while now - self._generated[0][0] > THROUGHPUT_WINDOW_S:
@@ -78,7 +91,7 @@ class SchedulerLoop:
         out = RequestOutput(
             req.rid, req.output_ids[sent:], req.prompt_len, req.cached_tokens,
             req.finish_reason.value if req.finish_reason else None, req.matched_stop,
-            req.logprobs[sent:], req.top_logprobs[sent:])
+            req.logprobs[sent:], req.top_logprobs[sent:], req.error)
         if req.finished:
             self._sent.pop(req.rid, None)
         else:

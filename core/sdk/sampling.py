@@ -6,7 +6,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from srv.sdk.grammar import GRAMMAR_KINDS, GrammarSpec
+from srv.sdk.grammar import GRAMMAR_KINDS, GrammarSpec, apply_bitmask
 
 if TYPE_CHECKING:   # annotations only: the HTTP process imports this module without torch
     import torch
@@ -57,13 +57,22 @@ class SamplingBatch:
 
     token_ids[i]: every token of request i so far (prompt then output), for the penalties;
     prompt_lens[i]: how many of those are prompt; eos_token_ids: masked while a request has
-    produced fewer than min_new_tokens.
+    produced fewer than min_new_tokens; vocab_mask: the tokens each row may choose, as the packed
+    bitmask of `srv.sdk.grammar` (a grammar's constraint; all ones for a free row), or None when
+    every row is free. A sampler never chooses a masked token, and reports log-probabilities of
+    the model's own distribution, before the mask (`mask_logits` applies it to its working copy).
     """
 
     params: list[SamplingParams]
     token_ids: list[list[int]]
     prompt_lens: list[int]
     eos_token_ids: list[int]
+    vocab_mask: torch.Tensor | None = None
+
+    def mask_logits(self, logits: torch.Tensor) -> None:
+        """Set the logits of tokens the vocab mask forbids to -inf, in place."""
+        if self.vocab_mask is not None:
+            apply_bitmask(logits, self.vocab_mask)
 
     def __len__(self) -> int:
         return len(self.params)

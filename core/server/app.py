@@ -7,24 +7,37 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 from argparse import Namespace
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
+from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from srv.engine.frontend import EngineDead, Frontend, QueueFull
+from srv.engine.params import InvalidRequest, validation_error
 from srv.engine.request_state import RequestState
+from srv.sdk.grammar import GrammarError
 from srv.sdk.tools import ToolCallParser
 from srv.server.metrics import ServerMetrics
+from srv.server.protocol import MAX_CHOICES
 from srv.server.request_log import RequestLog
+
+logger = logging.getLogger("srv.server")
 
 QUEUE_FULL_RETRY_AFTER_S = 1
 DISCONNECT_POLL_S = 0.2
+# Bodies larger than this are parsed and validated in a thread, off the event loop.
+OFF_LOOP_BODY_BYTES = 64 * 1024
+JSON_MEDIA_TYPES = ("application/json",)
+
+Body = TypeVar("Body", bound=BaseModel)
 
 
 class APIError(Exception):
@@ -59,40 +72,75 @@ class ServerContext:
         return self.metrics.labels_from_headers(request.headers) if self.metrics is not None else None
 
 
-def error_response(exc: Exception) -> JSONResponse:
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+               405: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
+               503: "server_overloaded"}
+
+
+def as_api_error(exc: Exception) -> tuple[APIError, dict[str, str]]:
+    """The error object and headers an exception answers with. Exceptions that say the request
+    is wrong are 4xx; anything else is a 500 that names the exception."""
+    if isinstance(exc, APIError):
+        return exc, {}
     if isinstance(exc, QueueFull):
-        exc, headers = APIError(str(exc), 503, type_="server_overloaded"), {"Retry-After": str(QUEUE_FULL_RETRY_AFTER_S)}
-    elif isinstance(exc, EngineDead):
-        exc, headers = APIError(str(exc), 503, type_="server_error"), {}
-    elif isinstance(exc, ValueError):
-        exc, headers = APIError(str(exc)), {}
-    else:
-        headers = {}
-    body = {"error": {"message": str(exc), "type": exc.type, "param": exc.param, "code": exc.status}}
-    return JSONResponse(body, status_code=exc.status, headers=headers)
+        return APIError(str(exc), 503, type_="server_overloaded"), {"Retry-After": str(QUEUE_FULL_RETRY_AFTER_S)}
+    if isinstance(exc, EngineDead):
+        return APIError(str(exc), 503, type_="server_error"), {}
+    if isinstance(exc, InvalidRequest):
+        return APIError(str(exc), param=exc.param), {}
+    if isinstance(exc, GrammarError):
+        return APIError(str(exc)), {}
+    if isinstance(exc, HTTPException):
+        return APIError(exc.detail, exc.status_code, type_=ERROR_TYPES.get(exc.status_code, "invalid_request_error")), \
+            dict(exc.headers or {})
+    return APIError(f"internal error: {type(exc).__name__}: {exc}", 500, type_="server_error"), {}
 
 
-async def read_json(request: Request) -> dict[str, Any]:
+def error_response(exc: Exception) -> JSONResponse:
+    error, headers = as_api_error(exc)
+    body = {"error": {"message": str(error), "type": error.type, "param": error.param, "code": error.status}}
+    return JSONResponse(body, status_code=error.status, headers=headers)
+
+
+async def read_body(request: Request, schema: type[Body], context: ServerContext) -> Body:
+    """The request's JSON body checked against `schema`: 415 for a body that is not JSON, 413
+    past --max-request-body-bytes (before it is read whole), 400 naming the first bad field."""
+    media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if media_type and media_type not in JSON_MEDIA_TYPES and not media_type.endswith("+json"):
+        raise APIError(f"the request body must be JSON (Content-Type: application/json), not {media_type}", 415)
+    limit = context.args.max_request_body_bytes
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _too_large(limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit)
+        chunks.append(chunk)
+    raw = b"".join(chunks)
     try:
-        body = json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise APIError(f"request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise APIError("request body must be a JSON object")
-    return body
+        if len(raw) > OFF_LOOP_BODY_BYTES:
+            return await context.frontend.off_loop(schema.model_validate_json, raw)
+        return schema.model_validate_json(raw)
+    except ValidationError as exc:
+        error = exc.errors(include_url=False, include_input=False)[0]
+        if error["type"] == "json_invalid":
+            raise APIError(f"the request body is not valid JSON: {error['ctx']['error']}") from None
+        if error["type"] == "model_type" and not error["loc"]:
+            raise APIError("the request body must be a JSON object") from None
+        raise validation_error(exc) from None
 
 
-def field_of(body: dict[str, Any], name: str, kinds: type | tuple[type, ...], default: Any = None) -> Any:
-    """body[name] if it has the right JSON type (booleans are not numbers), else a 400."""
-    value = body.get(name, default)
-    if value is None or value is default:
-        return value
-    kinds = kinds if isinstance(kinds, tuple) else (kinds,)
-    if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
-        names = " or ".join(k.__name__.replace("str", "string").replace("dict", "object").replace("list", "array")
-                            for k in kinds)
-        raise APIError(f"{name} must be {names}", param=name)
-    return value
+def check_choices(prompts: int, n: int | None) -> None:
+    """Every prompt times n is a request of its own: a bound keeps one call from flooding the queue."""
+    if prompts * (n or 1) > MAX_CHOICES:
+        raise APIError(f"{prompts} prompts with n = {n} make {prompts * (n or 1)} choices; at most {MAX_CHOICES} "
+                       "are allowed in one request", param="n")
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(f"the request body is larger than {limit} bytes (--max-request-body-bytes)", 413)
 
 
 async def until_done(request: Request, work: Awaitable[Any]) -> Any:
@@ -108,7 +156,11 @@ async def until_done(request: Request, work: Awaitable[Any]) -> Any:
 
 
 def sse(data: Any) -> str:
-    return f"data: {json.dumps(data)}\n\n"
+    return f"data: {json.dumps(data, allow_nan=False)}\n\n"
+
+
+def error_event(message: str, status: int = 500) -> str:
+    return sse({"error": {"message": message, "type": "server_error", "param": None, "code": status}})
 
 
 def event_stream(states: AsyncIterator[RequestState], events: Callable[[RequestState, str], list[Any]],
@@ -121,7 +173,7 @@ def event_stream(states: AsyncIterator[RequestState], events: Callable[[RequestS
         try:
             async for state in states:
                 if state.error is not None:
-                    yield sse({"error": {"message": state.error, "type": "server_error", "code": 500}})
+                    yield error_event(state.error)
                     return
                 new_text, sent = state.text[len(sent):], state.text
                 for event in events(state, new_text):
@@ -129,6 +181,9 @@ def event_stream(states: AsyncIterator[RequestState], events: Callable[[RequestS
             for event in closing():
                 yield sse(event)
             yield "data: [DONE]\n\n"
+        except Exception as exc:   # the stream has begun: an error event ends it, not a dropped connection
+            logger.exception("a streamed response failed")
+            yield error_event(f"internal error: {type(exc).__name__}: {exc}")
         finally:
             await states.aclose()
 
@@ -139,6 +194,33 @@ def checked(state: RequestState) -> RequestState:
     if state.error is not None:
         raise APIError(state.error, 500, type_="server_error")
     return state
+
+
+class ErrorBoundary:
+    """Whatever a route raises is answered with an error object (a 500 for the unexpected), so
+    no exception reaches uvicorn, which would drop the keep-alive connection after its own 500.
+    An exception after the response began (a stream) can only end that response."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def watched_send(message: dict) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched_send)
+        except Exception as exc:
+            logger.exception("%s %s failed", scope.get("method"), scope.get("path"))
+            if not started:
+                await error_response(exc)(scope, receive, send)
 
 
 class APIKeyMiddleware:
@@ -164,6 +246,8 @@ def build_app(context: ServerContext, plugin_routes: list[tuple[str, Any, list[s
     from srv.server.native_routes import native_routes
     from srv.server.openai_routes import openai_routes
 
+    from srv.server.openapi import openapi_route
+
     async def handle_error(request: Request, exc: Exception) -> Response:
         if isinstance(exc, ClientGone):
             return Response(status_code=499)
@@ -171,6 +255,8 @@ def build_app(context: ServerContext, plugin_routes: list[tuple[str, Any, list[s
 
     routes = [*openai_routes(context), *native_routes(context),
               *(Route(path, endpoint, methods=methods) for path, endpoint, methods in plugin_routes)]
-    return Starlette(routes=routes, middleware=[Middleware(APIKeyMiddleware, key=context.args.api_key)],
-                     exception_handlers={APIError: handle_error, ValueError: handle_error, QueueFull: handle_error,
-                                         EngineDead: handle_error, ClientGone: handle_error})
+    routes.append(openapi_route(routes, context))
+    return Starlette(routes=routes, middleware=[Middleware(ErrorBoundary),
+                                                Middleware(APIKeyMiddleware, key=context.args.api_key)],
+                     exception_handlers={cls: handle_error for cls in (APIError, InvalidRequest, GrammarError, QueueFull,
+                                                                       EngineDead, ClientGone, HTTPException)})

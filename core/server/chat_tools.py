@@ -16,19 +16,9 @@ from typing import Any
 
 from srv.sdk.tools import ToolCall, ToolCallDelta, ToolCallParser, ToolCallStream
 from srv.server.app import APIError
+from srv.server.protocol import NamedToolChoice, Tool
 
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
-
-
-def _function(tool: Any) -> dict[str, Any]:
-    if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(tool.get("function"), dict):
-        raise APIError('each tool must be {"type": "function", "function": {...}}', param="tools")
-    function = tool["function"]
-    if not isinstance(function.get("name"), str) or not function["name"]:
-        raise APIError("each tool function needs a name", param="tools")
-    if not isinstance(function.get("parameters", ANY_OBJECT), dict):
-        raise APIError(f"the parameters of tool {function['name']!r} must be a JSON schema object", param="tools")
-    return function
 
 
 @dataclass
@@ -43,29 +33,24 @@ class ToolCalling:
     ids: list[str] = field(default_factory=list)
 
     @classmethod
-    def from_body(cls, body: dict[str, Any], parser: ToolCallParser | None) -> "ToolCalling | None":
+    def from_request(cls, tools: list[Tool] | None, choice: str | NamedToolChoice | None,
+                     parser: ToolCallParser | None) -> "ToolCalling | None":
         """None when the request does not call tools (no tools, or tool_choice "none")."""
-        tools, choice = body.get("tools"), body.get("tool_choice")
         if tools is None:
             if choice not in (None, "none"):
                 raise APIError("tool_choice needs tools", param="tool_choice")
             return None
-        if not isinstance(tools, list) or not tools:
-            raise APIError("tools must be a non-empty array", param="tools")
-        functions = [_function(tool) for tool in tools]
+        functions = [tool.function.model_dump(exclude_none=True) for tool in tools]
         names = {function["name"] for function in functions}
         named = None
         if choice is None:
             choice = "auto"
-        elif isinstance(choice, dict):
-            named = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+        elif isinstance(choice, NamedToolChoice):
+            named = choice.function.name
             if named not in names:
                 raise APIError(f"tool_choice names the function {named!r}, which is not among the tools",
                                param="tool_choice")
             choice = "named"
-        elif choice not in ("none", "auto", "required"):
-            raise APIError('tool_choice must be "none", "auto", "required" or {"type": "function", ...}',
-                           param="tool_choice")
         if choice == "none":
             return None
         if parser is None:
@@ -146,8 +131,6 @@ def history_message(message: dict[str, Any], parser: ToolCallParser | None, temp
     calls = message.get("tool_calls")
     if not calls:
         return message
-    if not isinstance(calls, list) or not all(isinstance(c, dict) and isinstance(c.get("function"), dict) for c in calls):
-        raise APIError("tool_calls must be an array of {id, type, function: {name, arguments}}", param="messages")
     parsed = []
     for call in calls:
         arguments = call["function"].get("arguments") or "{}"

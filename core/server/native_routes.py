@@ -11,7 +11,9 @@ from starlette.routing import Route
 
 from srv.engine.frontend import EngineDead
 from srv.engine.request_state import RequestState
-from srv.server.app import APIError, ServerContext, checked, event_stream, field_of, read_json, until_done
+from srv.engine.params import SamplingParamsInput
+from srv.server.app import APIError, ServerContext, check_choices, checked, event_stream, read_body, until_done
+from srv.server.protocol import AbortRequestBody, GenerateRequest
 
 
 class NativeRoutes:
@@ -33,38 +35,37 @@ class NativeRoutes:
             return Response(status_code=503)
         return Response(status_code=200 if state.error is None else 503)
 
-    def _result(self, state: RequestState, body: dict[str, Any], since: int = 0, text_since: int = 0) -> dict[str, Any]:
+    def _result(self, state: RequestState, body: GenerateRequest, since: int = 0,
+                text_since: int = 0) -> dict[str, Any]:
         result = checked(state).result()
         result["text"] = result["text"][text_since:]
         result["output_ids"] = result["output_ids"][since:]
-        if field_of(body, "return_logprob", bool):
+        if body.return_logprob:
             result["meta_info"]["output_token_logprobs"] = [
                 [lp, token, None] for lp, token in zip(state.logprobs, state.output_ids)]
             result["meta_info"]["output_top_logprobs"] = [[[v, i, None] for i, v in top] for top in state.top_logprobs]
         return result
 
-    def _params(self, body: dict[str, Any], raw: Any) -> dict[str, Any]:
-        if raw is not None and not isinstance(raw, dict):
-            raise APIError("sampling_params must be an object", param="sampling_params")
-        params = dict(raw or {})
-        if field_of(body, "return_logprob", bool):
-            params.update(logprobs=True, top_logprobs=field_of(body, "top_logprobs_num", int) or 0)
+    @staticmethod
+    def _params(body: GenerateRequest, given: SamplingParamsInput | None) -> SamplingParamsInput:
+        params = given or SamplingParamsInput()
+        if body.return_logprob:
+            params = params.model_copy(update={"logprobs": True, "top_logprobs": body.top_logprobs_num or 0})
         return params
 
     async def generate(self, request: Request) -> Response:
-        body = await read_json(request)
+        body = await read_body(request, GenerateRequest, self.context)
         self.context.log.request("/generate", body)
-        text, ids = body.get("text"), body.get("input_ids")
-        priority = field_of(body, "priority", int)
-        batched = isinstance(text, list) or (isinstance(ids, list) and bool(ids) and isinstance(ids[0], list))
+        text, ids, given = body.text, body.input_ids, body.sampling_params
+        batched = isinstance(text, list) or (ids is not None and isinstance(ids[0], list))
         frontend = self.context.frontend
         if not batched:
-            if text is not None and not isinstance(text, str):
-                raise APIError("text must be a string or a list of strings", param="text")
-            params = self._params(body, body.get("sampling_params"))
-            states = await frontend.stream(text, ids, params, priority, interval=self.context.args.stream_interval,
-                                           rid=field_of(body, "rid", str), labels=self.context.labels(request))
-            if field_of(body, "stream", bool):
+            if isinstance(given, list):
+                raise APIError("sampling_params must be an object for one prompt", param="sampling_params")
+            states = await frontend.stream(text, ids, self._params(body, given), body.priority,
+                                           interval=self.context.args.stream_interval, rid=body.rid,
+                                           labels=self.context.labels(request))
+            if body.stream:
                 return self._stream(states, body)
 
             async def last() -> RequestState:
@@ -74,20 +75,23 @@ class NativeRoutes:
             result = self._result(await until_done(request, last()), body)
             self.context.log.response("/generate", result)
             return JSONResponse(result)
-        if field_of(body, "stream", bool):
+        if body.stream:
             raise APIError("streaming takes one prompt", param="stream")
-        count = len(text) if isinstance(text, list) else len(ids)
-        raw = body.get("sampling_params")
-        raw_list = raw if isinstance(raw, list) else [raw] * count
-        params = [self._params(body, r) for r in raw_list]
+        if text is not None and ids is not None:
+            raise APIError("give text or input_ids, not both", param="input_ids")
+        count = len(text) if text is not None else len(ids)
+        if isinstance(given, list) and len(given) != count:
+            raise APIError(f"sampling_params has {len(given)} entries for {count} prompts", param="sampling_params")
+        params = [self._params(body, p) for p in (given if isinstance(given, list) else [given] * count)]
+        check_choices(count, max((p.n or 1) for p in params))
         groups = await until_done(request, frontend.generate(
-            text if isinstance(text, list) else [None] * count, ids if isinstance(ids, list) else [None] * count,
-            params, priority, self.context.labels(request)))
+            text if text is not None else [None] * count, ids if ids is not None else [None] * count,
+            params, body.priority, self.context.labels(request)))
         results = [self._result(state, body) for group in groups for state in group]
         self.context.log.response("/generate", {"results": results})
         return JSONResponse(results)
 
-    def _stream(self, states: Any, body: dict[str, Any]) -> Response:
+    def _stream(self, states: Any, body: GenerateRequest) -> Response:
         # --stream-output sends each update's new text and tokens; otherwise everything so far.
         incremental = self.context.args.stream_output
         sent = {"ids": 0, "text": 0}
@@ -121,11 +125,8 @@ class NativeRoutes:
         return Response(body, media_type=content_type)
 
     async def abort_request(self, request: Request) -> Response:
-        body = await read_json(request)
-        rid = field_of(body, "rid", str)
-        if not rid:
-            raise APIError("rid is required", param="rid")
-        self.context.frontend.abort(rid)
+        body = await read_body(request, AbortRequestBody, self.context)
+        self.context.frontend.abort(body.rid)
         return Response(status_code=200)
 
 

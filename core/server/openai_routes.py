@@ -8,60 +8,53 @@ import uuid
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
+from jinja2 import TemplateError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from srv.engine.request_state import RequestState
 from srv.sdk.grammar import ANY_JSON_OBJECT, GRAMMAR_KINDS
+from srv.server.app import APIError, ServerContext, check_choices, checked, event_stream, read_body, until_done
 from srv.server.chat_tools import ToolCalling, history_message
-from srv.server.app import APIError, ServerContext, checked, event_stream, field_of, read_json, until_done
+from srv.server.protocol import ChatCompletionRequest, CompletionRequest, ResponseFormat, SamplingFields
 
 # OpenAI request fields (and SGLang's extra ones) and the srv sampling parameter each sets.
 SAMPLING_FIELDS = {
-    "temperature": ("temperature", (int, float)), "top_p": ("top_p", (int, float)), "top_k": ("top_k", int),
-    "min_p": ("min_p", (int, float)), "repetition_penalty": ("repetition_penalty", (int, float)),
-    "frequency_penalty": ("frequency_penalty", (int, float)), "presence_penalty": ("presence_penalty", (int, float)),
-    "seed": ("seed", int), "logit_bias": ("logit_bias", dict), "stop": ("stop", (str, list)),
-    "stop_token_ids": ("stop_token_ids", list), "min_tokens": ("min_new_tokens", int),
-    "ignore_eos": ("ignore_eos", bool), "n": ("n", int),
-    # SGLang's constrained-decoding extensions (OpenAI's own is response_format).
-    "json_schema": ("json_schema", (str, dict)), "regex": ("regex", str), "ebnf": ("ebnf", str),
+    "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty", "frequency_penalty": "frequency_penalty",
+    "presence_penalty": "presence_penalty", "seed": "seed", "logit_bias": "logit_bias", "stop": "stop",
+    "stop_token_ids": "stop_token_ids", "min_tokens": "min_new_tokens", "ignore_eos": "ignore_eos", "n": "n",
+    "json_schema": "json_schema", "regex": "regex", "ebnf": "ebnf",
 }
 
 
-def response_format_schema(body: dict[str, Any]) -> str | None:
+def response_format_schema(response_format: ResponseFormat | None) -> str | None:
     """The JSON schema a `response_format` constrains the output to, as text (None: free text)."""
-    response_format = field_of(body, "response_format", dict)
-    if response_format is None or response_format.get("type") == "text":
+    if response_format is None or response_format.type == "text":
         return None
-    if response_format.get("type") == "json_object":
+    if response_format.type == "json_object":
         return ANY_JSON_OBJECT
-    if response_format.get("type") == "json_schema":
-        spec = response_format.get("json_schema")
-        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
-            raise APIError("response_format.json_schema must be an object with a schema object", param="response_format")
-        # Without a schema any JSON object will do; `strict` changes nothing here, since the
-        # output is always constrained to the schema exactly.
-        return json.dumps(spec.get("schema") or json.loads(ANY_JSON_OBJECT))
-    raise APIError('response_format.type must be "text", "json_object" or "json_schema"', param="response_format")
+    spec = response_format.json_schema
+    if spec is None:
+        raise APIError("response_format.json_schema is required for type json_schema", param="response_format")
+    # Without a schema any JSON object will do; `strict` changes nothing here, since the
+    # output is always constrained to the schema exactly.
+    return json.dumps(spec.schema_ or json.loads(ANY_JSON_OBJECT))
 
 
-def sampling_params(body: dict[str, Any], logprobs: bool, top_logprobs: int = 0) -> dict[str, Any]:
+def sampling_params(body: SamplingFields, logprobs: bool, top_logprobs: int = 0) -> dict[str, Any]:
     params: dict[str, Any] = {}
-    max_tokens = field_of(body, "max_completion_tokens", int)
-    max_tokens = field_of(body, "max_tokens", int) if max_tokens is None else max_tokens
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if max_tokens is not None:
-        if max_tokens < 0:
-            raise APIError("max_tokens must be >= 0", param="max_tokens")
         params["max_new_tokens"] = max_tokens
-    for name, (ours, kinds) in SAMPLING_FIELDS.items():
-        value = field_of(body, name, kinds)
+    for name, ours in SAMPLING_FIELDS.items():
+        value = getattr(body, name)
         if value is not None:
             params[ours] = value
     if logprobs:
         params.update(logprobs=True, top_logprobs=top_logprobs)
-    schema = response_format_schema(body)
+    schema = response_format_schema(body.response_format)
     if schema is not None:
         if any(kind in params for kind in GRAMMAR_KINDS):
             raise APIError("response_format cannot be combined with json_schema, regex or ebnf", param="response_format")
@@ -87,8 +80,7 @@ class OpenAIRoutes:
             template = Path(template).read_text(encoding="utf-8")
         self.chat_template = template or None
 
-    def check_model(self, body: dict[str, Any]) -> None:
-        model = body.get("model")
+    def check_model(self, model: str | None) -> None:
         if model is not None and model != self.context.model_name:
             raise APIError(f"the model {model!r} does not exist", 404, "model", "not_found_error")
 
@@ -114,10 +106,10 @@ class OpenAIRoutes:
             raise APIError(f"the model {request.path_params['model']!r} does not exist", 404, "model", "not_found_error")
         return JSONResponse(self._model_card())
 
-    def _stream(self, body: dict[str, Any], states: AsyncIterator[RequestState], rid: str, created: int,
+    def _stream(self, body: SamplingFields, states: AsyncIterator[RequestState], rid: str, created: int,
                 kind: str, choice: Callable[[RequestState, str, bool], dict[str, Any] | None]) -> Response:
         """Chunks of one streamed choice, and a last chunk with usage if stream_options ask."""
-        include_usage = bool((field_of(body, "stream_options", dict) or {}).get("include_usage"))
+        include_usage = bool(body.stream_options is not None and body.stream_options.include_usage)
         header = {"id": rid, "object": kind, "created": created, "model": self.context.model_name}
         last: list[RequestState] = []
         started: list[bool] = []       # a chunk went out (the first one carries the role)
@@ -137,19 +129,16 @@ class OpenAIRoutes:
 
     # ---- /v1/completions ---------------------------------------------------------------------
 
-    def _completion_prompts(self, body: dict[str, Any]) -> tuple[list[str | None], list[list[int] | None]]:
-        prompt = body.get("prompt")
+    @staticmethod
+    def _completion_prompts(body: CompletionRequest) -> tuple[list[str | None], list[list[int] | None]]:
+        prompt = body.prompt
         if isinstance(prompt, str):
             return [prompt], [None]
-        if isinstance(prompt, list) and prompt:
-            if all(isinstance(p, str) for p in prompt):
-                return list(prompt), [None] * len(prompt)
-            if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-                return [None], [prompt]
-            if all(isinstance(p, list) and p and all(isinstance(t, int) for t in p) for p in prompt):
-                return [None] * len(prompt), list(prompt)
-        raise APIError("prompt must be a string, a list of strings, a list of token ids or a list of lists of "
-                       "token ids", param="prompt")
+        if all(isinstance(p, str) for p in prompt):
+            return list(prompt), [None] * len(prompt)
+        if all(isinstance(t, int) for t in prompt):
+            return [None], [prompt]
+        return [None] * len(prompt), list(prompt)
 
     def _completion_logprobs(self, state: RequestState, offset: int) -> dict[str, Any]:
         tokens = [self.token_text(t) for t in state.output_ids]
@@ -162,18 +151,19 @@ class OpenAIRoutes:
                 "text_offset": offsets}
 
     async def completions(self, request: Request) -> Response:
-        body = await read_json(request)
+        body = await read_body(request, CompletionRequest, self.context)
         self.context.log.request("/v1/completions", body)
-        self.check_model(body)
-        if body.get("suffix"):
+        self.check_model(body.model)
+        if body.suffix:
             raise APIError("suffix is not supported", param="suffix")
-        logprobs = field_of(body, "logprobs", int) or 0
-        echo = field_of(body, "echo", bool) or False
+        logprobs = body.logprobs or 0
+        echo = bool(body.echo)
         prompts, ids = self._completion_prompts(body)
+        check_choices(len(prompts), body.n)
         params = sampling_params(body, bool(logprobs), logprobs)
         created, rid = int(time.time()), f"cmpl-{uuid.uuid4().hex}"
         frontend = self.context.frontend
-        if field_of(body, "stream", bool):
+        if body.stream:
             if len(prompts) > 1 or params.get("n", 1) > 1:
                 raise APIError("streaming takes one prompt with n = 1", param="stream")
             states = await frontend.stream(prompts[0], ids[0], params, interval=self.context.args.stream_interval,
@@ -197,31 +187,25 @@ class OpenAIRoutes:
 
     # ---- /v1/chat/completions ------------------------------------------------------------------
 
-    def render_chat(self, body: dict[str, Any], tools: ToolCalling | None = None) -> str:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise APIError("messages must be a non-empty list", param="messages")
+    def render_chat(self, body: ChatCompletionRequest, tools: ToolCalling | None = None) -> str:
+        """The prompt the chat template makes of the messages (and tools)."""
         normalized = []
-        for message in messages:
-            if not isinstance(message, dict) or message.get("role") not in ("system", "user", "assistant", "tool",
-                                                                            "developer"):
-                raise APIError("each message must be an object with a role of system, user, assistant or tool",
-                               param="messages")
-            content = message.get("content")
+        for message in body.messages:
+            fields = message.model_dump(exclude_unset=True)
+            content = message.content
             if isinstance(content, list):
-                if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-                    raise APIError("content parts must be text parts", param="messages")
-                content = "".join(p.get("text", "") for p in content)
-            elif content is not None and not isinstance(content, str):
-                raise APIError("message content must be a string, an array of text parts or null", param="messages")
-            normalized.append(history_message({**message, "content": content or ""}, self.context.tool_parser,
+                content = "".join(part.text for part in content)
+            normalized.append(history_message({**fields, "content": content or ""}, self.context.tool_parser,
                                               self.template_source))
         kwargs = {}
         if tools is not None:
             normalized = tools.announce(normalized, self.template_source)
             kwargs = tools.template_kwargs(self.template_source)
-        return self._tokenizer().apply_chat_template(normalized, chat_template=self.chat_template, tokenize=False,
-                                                     add_generation_prompt=True, **kwargs)
+        try:
+            return self._tokenizer().apply_chat_template(normalized, chat_template=self.chat_template, tokenize=False,
+                                                         add_generation_prompt=True, **kwargs)
+        except TemplateError as exc:   # the template's raise_exception: messages it does not take
+            raise APIError(f"the chat template refused the messages: {exc}", param="messages") from None
 
     @property
     def template_source(self) -> str:
@@ -237,14 +221,15 @@ class OpenAIRoutes:
                                                   state.top_logprobs or [[]] * len(state.output_ids))]}
 
     async def chat_completions(self, request: Request) -> Response:
-        body = await read_json(request)
+        body = await read_body(request, ChatCompletionRequest, self.context)
         self.context.log.request("/v1/chat/completions", body)
-        self.check_model(body)
-        tools = ToolCalling.from_body(body, self.context.tool_parser)
-        prompt = self.render_chat(body, tools)
-        want_logprobs = field_of(body, "logprobs", bool) or False
-        top = field_of(body, "top_logprobs", int) or 0
-        params = sampling_params(body, want_logprobs, top)
+        self.check_model(body.model)
+        check_choices(1, body.n)
+        tools = ToolCalling.from_request(body.tools, body.tool_choice, self.context.tool_parser)
+        # Rendering a long conversation takes a while: off the event loop.
+        prompt = await self.context.frontend.off_loop(self.render_chat, body, tools)
+        want_logprobs = bool(body.logprobs)
+        params = sampling_params(body, want_logprobs, body.top_logprobs or 0)
         tool_schema = tools.json_schema() if tools is not None else None
         if tool_schema is not None:
             if any(kind in params for kind in GRAMMAR_KINDS):
@@ -253,7 +238,7 @@ class OpenAIRoutes:
             params["json_schema"] = json.dumps(tool_schema)
         created, rid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
         frontend = self.context.frontend
-        if field_of(body, "stream", bool):
+        if body.stream:
             if params.get("n", 1) > 1:
                 raise APIError("streaming takes n = 1", param="stream")
             states = await frontend.stream(prompt, None, params, interval=self.context.args.stream_interval,

@@ -12,6 +12,8 @@ from argparse import Namespace
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel
+
 from srv.engine.io import RequestOutput
 from srv.engine.request_state import RequestState
 
@@ -43,7 +45,11 @@ class RequestLog:
                 shown[key] = value
         return shown
 
-    def request(self, route: str, body: dict[str, Any]) -> None:
+    def request(self, route: str, body: BaseModel | dict[str, Any]) -> None:
+        if self.dump_folder is None and not self.enabled:
+            return
+        if isinstance(body, BaseModel):
+            body = body.model_dump(exclude_none=True)
         if self.dump_folder is not None:
             now = time.time()
             self._recent.append((now, route, body))

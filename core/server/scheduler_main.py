@@ -15,11 +15,14 @@ import time
 from argparse import Namespace
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
 from srv.engine.diagnostics import install_gc_warning
+
+if TYPE_CHECKING:   # pydantic, which it imports, would delay the import of torch
+    from srv.engine.limits import RequestLimits
 
 logger = logging.getLogger("srv.scheduler_process")
 
@@ -33,8 +36,7 @@ class ModelDirKnown:
 @dataclass
 class SchedulerReady:
     model_dir: str
-    context_len: int
-    vocab_size: int
+    limits: RequestLimits
     model_info: dict[str, Any]
 
 
@@ -91,7 +93,7 @@ def run_scheduler_process(args: Namespace, sockets: SchedulerSockets) -> None:
         outputs.send_pyobj(SchedulerFailed(f"{type(exc).__name__}: {exc}"))
         os._exit(1)
     config = runner.config
-    outputs.send_pyobj(SchedulerReady(str(runner.model_dir), runner.context_len, config.vocab_size, {
+    outputs.send_pyobj(SchedulerReady(str(runner.model_dir), scheduler.request_limits(), {
         "architectures": list(getattr(config, "architectures", None) or []),
         "dtype": str(runner.dtype).removeprefix("torch."),
         "kv_capacity_tokens": scheduler.allocator.capacity_tokens,

@@ -59,9 +59,9 @@ class SchedulerProcess:
         self.ready = message
         tokenizer = None if tokenizer is None else await tokenizer
         grammars = None if tokenizer is None else GrammarCompiler(
-            self.args, self.registry, tokenizer, message.vocab_size, message.model_info["eos_token_ids"])
-        self.frontend = Frontend(self._requests.send_pyobj, tokenizer, self.args, message.context_len,
-                                 message.model_dir, grammars)
+            self.args, self.registry, tokenizer, message.limits.vocab_size, message.model_info["eos_token_ids"])
+        self.frontend = Frontend(self._requests.send_pyobj, tokenizer, self.args, message.limits, message.model_dir,
+                                 grammars)
         self._tasks = [asyncio.create_task(self._receive()), asyncio.create_task(self._watch())]
         return self.frontend
 

@@ -8,7 +8,8 @@ Per step, on a float32 copy of the logits [B, V]:
      per token present in the output) are subtracted;
   4. while a request has produced fewer than min_new_tokens, its eos and stop token ids are
      set to -inf;
-  5. greedy rows (temperature 0, or top_k 1) take the argmax; the others are divided by their
+  5. tokens the batch's vocab mask (a grammar's constraint) forbids are set to -inf;
+  6. greedy rows (temperature 0, or top_k 1) take the argmax; the others are divided by their
      temperature, filtered by top_k, top_p (SGLang: cumulative mass before a token > top_p
      drops it) and min_p (relative to the largest probability), then sampled.
 
@@ -17,8 +18,8 @@ Unseeded rows share one batched draw from the global torch RNG; a row with `seed
 its noise from its own generator seeded with (seed, output length), so its token does not
 depend on what else is in the batch nor on the batch order.
 
-logprobs / top_logprobs are the raw log-softmax of the model's logits (before penalties and
-temperature), computed only when some request asks for them.
+logprobs / top_logprobs are the raw log-softmax of the model's logits (before penalties,
+temperature and the vocab mask), computed only when some request asks for them.
 """
 
 from __future__ import annotations
@@ -174,14 +175,16 @@ class PyTorchSampler(Sampler):
         dev = logits.device
         # A copy only for the penalties, which write into it: the logprobs are the model's own. At 64
         # rows, copying every step's logits cost more than the argmax.
-        adjusted = any(p.logit_bias or p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0
-                       or p.presence_penalty != 0.0 or p.min_new_tokens > 0 for p in params)
+        adjusted = batch.vocab_mask is not None or any(
+            p.logit_bias or p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0
+            or p.presence_penalty != 0.0 or p.min_new_tokens > 0 for p in params)
         x = logits.to(torch.float32, copy=adjusted)
 
         self._apply_logit_bias(x, params)
         self._apply_repetition_penalty(x, batch)
         self._apply_frequency_presence(x, batch)
         self._apply_min_new_tokens(x, batch)
+        batch.mask_logits(x)
 
         next_ids = torch.argmax(x, dim=-1)
         sampled = [i for i, p in enumerate(params) if not _is_greedy(p)]

@@ -211,3 +211,35 @@ class SamplerKit:
         assert values.shape == ids.shape == (len(params), 5), f"top_logprobs are {tuple(values.shape)}, want [B, 5]"
         torch.testing.assert_close(values.double(), reference.topk(5, -1).values, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(reference.gather(1, ids.long()), values.double(), atol=1e-5, rtol=1e-5)
+
+    def test_vocab_mask_is_obeyed_and_logprobs_stay_the_models(self) -> None:
+        """No row chooses a token its vocab mask forbids (greedy, sampled, seeded), a free row
+        is untouched, and the log-probabilities are the model's own, before the mask."""
+        from srv.sdk.grammar import allocate_bitmask, bitmask_to_bool
+
+        params = [SamplingParams(temperature=0, logprobs=True, top_logprobs=5),
+                  SamplingParams(temperature=1.0, seed=4, logprobs=True, top_logprobs=5),
+                  SamplingParams(temperature=0.8, top_p=0.9, logprobs=True, top_logprobs=5),
+                  SamplingParams(temperature=0, logprobs=True, top_logprobs=5)]
+        logits = torch.randn(len(params), VOCAB, generator=torch.Generator().manual_seed(6)) * 3
+        bitmask = allocate_bitmask(len(params), VOCAB)
+        favourites = logits.topk(8, -1).indices
+        for row in range(3):   # rows 0-2 may choose only among three tokens the model likes little
+            bitmask[row] = 0
+            for token in logits[row].topk(VOCAB).indices[-3:].tolist():
+                bitmask[row, token // 32] |= 1 << (token % 32)
+        allowed = bitmask_to_bool(bitmask, VOCAB)
+        batch = make_batch(params)
+        batch.vocab_mask = bitmask
+        for _ in range(5):
+            out = self.make_sampler().sample(logits, batch)
+            tokens = out.next_token_ids.tolist()
+            bad = [f"row {i}: token {t}" for i, t in enumerate(tokens) if not allowed[i, t]]
+            assert not bad, "a sampled token is one the vocab mask forbids: " + ", ".join(bad)
+        assert tokens[3] == int(logits[3].argmax()), "a row the mask leaves free is not its argmax"
+        reference = torch.log_softmax(logits.double(), -1)
+        torch.testing.assert_close(out.logprobs.double(), reference.gather(1, out.next_token_ids[:, None]).squeeze(1),
+                                   atol=1e-5, rtol=1e-5)
+        values, ids = out.top_logprobs
+        assert torch.isfinite(values).all(), "top log-probabilities must be finite: they are the model's, unmasked"
+        assert ids[:, 0].tolist() == favourites[:, 0].tolist(), "top log-probabilities were taken after the mask"

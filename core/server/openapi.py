@@ -1,0 +1,100 @@
+"""The OpenAPI document at /openapi.json, made from the routes' pydantic schemas
+(`srv.server.protocol`): what a client may send each route and what it gets back."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from srv.server import protocol
+from srv.server.app import APIKeyMiddleware, ServerContext
+
+# path -> (request body, response body, whether it can stream server-sent events)
+BODIES: dict[str, tuple[type[BaseModel] | None, type[BaseModel] | None, bool]] = {
+    "/v1/completions": (protocol.CompletionRequest, protocol.CompletionResponse, True),
+    "/v1/chat/completions": (protocol.ChatCompletionRequest, protocol.ChatCompletionResponse, True),
+    "/generate": (protocol.GenerateRequest, protocol.GenerateResult, True),
+    "/abort_request": (protocol.AbortRequestBody, None, False),
+    "/v1/models": (None, protocol.ModelList, False),
+    "/v1/models/{model}": (None, protocol.ModelCard, False),
+}
+# Routes that answer plain text (or nothing) on success.
+TEXT_ROUTES = {"/metrics", "/flush_cache"}
+SUMMARIES = {
+    "/v1/completions": "OpenAI's legacy completions", "/v1/chat/completions": "OpenAI's chat completions",
+    "/v1/models": "the served model", "/v1/models/{model}": "one model", "/generate": "SGLang's native generation",
+    "/health": "200 while the scheduler runs", "/health_generate": "200 once the scheduler makes a token",
+    "/get_model_info": "the model's path and shapes", "/get_server_info": "launch arguments and scheduler counters",
+    "/flush_cache": "empty the prefix cache (when idle)", "/abort_request": "abort a request by rid",
+    "/metrics": "Prometheus metrics", "/openapi.json": "this document",
+}
+
+
+def _ref(model: type[BaseModel]) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{model.__name__}"}
+
+
+def openapi_document(routes: list[Route], context: ServerContext) -> dict[str, Any]:
+    requests = [r for r, _, _ in BODIES.values() if r is not None]
+    responses = [r for _, r, _ in BODIES.values() if r is not None] + [protocol.ErrorResponse]
+    _, schemas = models_json_schema([(m, "validation") for m in requests] + [(m, "serialization") for m in responses],
+                                    ref_template="#/components/schemas/{model}")
+    error = {"description": "an error (OpenAI's error object)", "content": {"application/json": {
+        "schema": _ref(protocol.ErrorResponse)}}}
+    paths: dict[str, Any] = {}
+    for route in routes:
+        path = route.path.replace("{model:path}", "{model}")
+        request, response, streams = BODIES.get(path, (None, None, False))
+        for method in sorted(m for m in (route.methods or ()) if m != "HEAD"):
+            success: dict[str, Any] = {"description": "success"}
+            content: dict[str, Any] = {}
+            if response is not None:
+                body = _ref(response)
+                if path == "/generate":   # a batch answers a list of results
+                    body = {"anyOf": [body, {"type": "array", "items": body}]}
+                content["application/json"] = {"schema": body}
+            elif path in TEXT_ROUTES:
+                content["text/plain"] = {"schema": {"type": "string"}}
+            elif method == "GET" and path.startswith("/get_"):
+                content["application/json"] = {"schema": {"type": "object"}}
+            if streams:
+                content["text/event-stream"] = {"schema": {"type": "string"}}
+            if content:
+                success["content"] = content
+            operation: dict[str, Any] = {"summary": SUMMARIES.get(path, path),
+                                         "responses": {"200": success, "default": error}}
+            if "{model}" in path:
+                operation["parameters"] = [{"name": "model", "in": "path", "required": True,
+                                            "schema": {"type": "string"}}]
+            if request is not None:
+                operation["requestBody"] = {"required": True, "content": {"application/json": {
+                    "schema": _ref(request)}}}
+            if context.args.api_key and path not in APIKeyMiddleware.OPEN_PATHS:
+                operation["security"] = [{"bearer": []}]
+            paths.setdefault(path, {})[method.lower()] = operation
+    document: dict[str, Any] = {
+        "openapi": "3.1.0",
+        "info": {"title": "srv", "version": context.version or "0", "description":
+                 f"OpenAI-compatible and SGLang-native API serving {context.model_name}"},
+        "paths": paths,
+        "components": {"schemas": schemas.get("$defs", {})},
+    }
+    if context.args.api_key:
+        document["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+    return document
+
+
+def openapi_route(routes: list[Route], context: ServerContext) -> Route:
+    cached: list[dict[str, Any]] = []
+
+    async def openapi(request: Request) -> Response:
+        if not cached:
+            cached.append(openapi_document(routes + [Route("/openapi.json", openapi, methods=["GET"])], context))
+        return JSONResponse(cached[0])
+
+    return Route("/openapi.json", openapi, methods=["GET"])

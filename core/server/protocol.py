@@ -1,0 +1,281 @@
+"""The request bodies of the HTTP routes, one pydantic schema per route: types and bounds are
+checked here, before any work, and a failure is a 400 that names the field. The same schemas
+make the OpenAPI document served at /openapi.json (`srv.server.openapi`).
+
+Unknown fields of the OpenAI bodies are ignored, as OpenAI's own server and SGLang do;
+`sampling_params` of /generate refuses them (srv.engine.params), since a sampling parameter
+srv does not know would silently change nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from srv.engine.params import (LogitBias, MinP, N, NonEmptyStr, RepetitionPenalty, SamplingParamsInput, Seed, Stop,
+                               StrictInput, Temperature, TokenCount, TokenId, TopK, TopLogprobs, TopP)
+
+# OpenAI's bound for the completions route's logprobs (its chat route's is TopLogprobs).
+MAX_COMPLETION_LOGPROBS = 5
+# Prompts of one /v1/completions or /generate batch, and choices (prompts times n) of one call.
+MAX_BATCH = 2048
+MAX_CHOICES = 2048
+
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+Priority = Annotated[int, Field(ge=-2**31, le=2**31 - 1)]
+
+
+class StreamOptions(StrictInput):
+    include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None
+
+
+class JsonSchemaFormat(StrictInput):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(StrictInput):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class SamplingFields(StrictInput):
+    """The sampling fields the OpenAI routes share (OpenAI's, and SGLang's extra ones)."""
+
+    max_tokens: TokenCount | None = None
+    max_completion_tokens: TokenCount | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    min_p: MinP | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    seed: Seed | None = None
+    logit_bias: LogitBias | None = None
+    stop: Stop | None = None
+    stop_token_ids: list[TokenId] | None = None
+    min_tokens: TokenCount | None = None
+    ignore_eos: bool | None = None
+    n: N | None = None
+    # SGLang's constrained decoding (OpenAI's own is response_format).
+    json_schema: str | dict[str, Any] | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    response_format: ResponseFormat | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    model: str | None = None
+    user: str | None = None
+
+
+class CompletionRequest(SamplingFields):
+    """POST /v1/completions."""
+
+    prompt: NonEmptyStr | Annotated[list[str], Field(min_length=1, max_length=MAX_BATCH)] | TokenIds \
+        | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_BATCH)]
+    suffix: str | None = None
+    echo: bool | None = None
+    logprobs: Annotated[int, Field(ge=0, le=MAX_COMPLETION_LOGPROBS)] | None = None
+    best_of: Annotated[int, Field(ge=1, le=1)] | None = None
+
+
+class TextPart(StrictInput):
+    type: Literal["text"]
+    text: str
+
+
+class FunctionCall(StrictInput):
+    name: str = ""
+    arguments: str | dict[str, Any] | None = None
+
+
+class ToolCallIn(StrictInput):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(StrictInput):
+    # Fields of its own that a chat template reads (reasoning_content, say) pass through to it.
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+
+
+class FunctionDefinition(StrictInput):
+    name: NonEmptyStr
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(StrictInput):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(StrictInput):
+    name: str
+
+
+class NamedToolChoice(StrictInput):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class ChatCompletionRequest(SamplingFields):
+    """POST /v1/chat/completions."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    logprobs: bool | None = None
+    top_logprobs: TopLogprobs | None = None
+    tools: Annotated[list[Tool], Field(min_length=1)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+
+class GenerateRequest(StrictInput):
+    """POST /generate (SGLang's native route): one prompt or a batch, as text or token ids."""
+
+    text: str | Annotated[list[str], Field(min_length=1, max_length=MAX_BATCH)] | None = None
+    input_ids: TokenIds | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_BATCH)] | None = None
+    sampling_params: SamplingParamsInput | Annotated[list[SamplingParamsInput], Field(max_length=MAX_BATCH)] \
+        | None = None
+    return_logprob: bool | None = None
+    top_logprobs_num: TopLogprobs | None = None
+    stream: bool | None = None
+    rid: str | None = None
+    priority: Priority | None = None
+
+
+class AbortRequestBody(StrictInput):
+    """POST /abort_request."""
+
+    rid: NonEmptyStr
+
+
+# ---- responses (for the OpenAPI document; the routes build them as plain dicts) ----------------
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: dict[str, int] | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    finish_reason: str | None
+    logprobs: CompletionLogprobs | None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: dict[str, str]
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str | None
+    tool_calls: list[ToolCallOut] | None = None
+
+
+class TokenLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[dict[str, Any]] | None = None
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class FinishReason(BaseModel):
+    type: str
+    matched: int | str | None
+
+
+class MetaInfo(BaseModel):
+    id: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    finish_reason: FinishReason | None
+    output_token_logprobs: list[list[Any]] | None = None
+    output_top_logprobs: list[list[Any]] | None = None
+
+
+class GenerateResult(BaseModel):
+    text: str
+    output_ids: list[int]
+    meta_info: MetaInfo
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    root: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
