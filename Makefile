@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test docs bench clean
+.PHONY: serve test soak docs bench clean
 
 $(STAMP): pyproject.toml constraints.txt Makefile $(wildcard examples/*/pyproject.toml examples/*/*/*.py)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,6 +23,10 @@ serve: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The reliability storm at length (SRV_SOAK_REQUESTS requests, 5000 by default): not part of `make test`.
+soak: $(STAMP)
+	SRV_SOAK=1 $(PY) -m pytest tests/test_reliability.py -k soak $(PYTEST_ARGS)
 
 docs: $(STAMP)
 	$(PY) -m srv.args.docs > docs/server_arguments.md

@@ -546,6 +546,10 @@ class Scheduler:
         return self.allocator.capacity_tokens - self.allocator.free_tokens
 
     def flush_cache(self) -> bool:
+        """Empty the prefix cache; refused (False) while requests wait or run, as in SGLang: a
+        running request holds a node of the tree even before it has a page cached."""
+        if self.has_work:
+            return False
         return True if self.tree is None else self.tree.flush()
 
 

@@ -119,9 +119,14 @@ async def read_body(request: Request, schema: type[Body], context: ServerContext
             raise _too_large(limit)
         chunks.append(chunk)
     raw = b"".join(chunks)
+    if len(raw) > OFF_LOOP_BODY_BYTES:
+        return await context.frontend.off_loop(parse_body, schema, raw)
+    return parse_body(schema, raw)
+
+
+def parse_body(schema: type[Body], raw: bytes) -> Body:
+    """`raw` as `schema`, or an APIError (400) saying what is wrong with it."""
     try:
-        if len(raw) > OFF_LOOP_BODY_BYTES:
-            return await context.frontend.off_loop(schema.model_validate_json, raw)
         return schema.model_validate_json(raw)
     except ValidationError as exc:
         error = exc.errors(include_url=False, include_input=False)[0]
@@ -251,6 +256,12 @@ def build_app(context: ServerContext, plugin_routes: list[tuple[str, Any, list[s
     async def handle_error(request: Request, exc: Exception) -> Response:
         if isinstance(exc, ClientGone):
             return Response(status_code=499)
+        if isinstance(exc, HTTPException) and exc.status_code == 404:
+            exc = APIError(f"no route {request.url.path}", 404, type_="not_found_error")
+        elif isinstance(exc, HTTPException) and exc.status_code == 405:
+            allowed = (exc.headers or {}).get("Allow", "")
+            exc = HTTPException(405, f"{request.method} is not allowed on {request.url.path} (allowed: {allowed})",
+                                exc.headers)
         return error_response(exc)
 
     routes = [*openai_routes(context), *native_routes(context),

@@ -62,15 +62,16 @@ def openapi_document(routes: list[Route], context: ServerContext) -> dict[str, A
                 content["text/plain"] = {"schema": {"type": "string"}}
             elif method == "GET" and path.startswith("/get_"):
                 content["application/json"] = {"schema": {"type": "object"}}
-            if streams:
-                content["text/event-stream"] = {"schema": {"type": "string"}}
+            if streams:   # each event's data is a JSON chunk, then [DONE]
+                content["text/event-stream"] = {"schema": {"type": "object", "properties": {
+                    "data": {"type": "string"}}, "required": ["data"]}}
             if content:
                 success["content"] = content
             operation: dict[str, Any] = {"summary": SUMMARIES.get(path, path),
                                          "responses": {"200": success, "default": error}}
             if "{model}" in path:
                 operation["parameters"] = [{"name": "model", "in": "path", "required": True,
-                                            "schema": {"type": "string"}}]
+                                            "schema": {"type": "string", "enum": [context.model_name]}}]
             if request is not None:
                 operation["requestBody"] = {"required": True, "content": {"application/json": {
                     "schema": _ref(request)}}}

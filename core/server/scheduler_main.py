@@ -96,6 +96,7 @@ def run_scheduler_process(args: Namespace, sockets: SchedulerSockets) -> None:
     outputs.send_pyobj(SchedulerReady(str(runner.model_dir), scheduler.request_limits(), {
         "architectures": list(getattr(config, "architectures", None) or []),
         "dtype": str(runner.dtype).removeprefix("torch."),
+        "vocab_size": config.vocab_size,
         "kv_capacity_tokens": scheduler.allocator.capacity_tokens,
         "max_running_requests": scheduler.max_running,
         "eos_token_ids": scheduler.eos_ids,
