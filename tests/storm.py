@@ -83,7 +83,15 @@ class Storm:
         self.durations: list[float] = []
 
     async def json(self, client: httpx.AsyncClient, method: str, path: str, body: Any = None) -> Any:
-        response = await client.request(method, self.base + path, json=body, headers=self.headers, timeout=120)
+        for attempt in range(3):   # the storm's own calls, outside what it measures
+            try:
+                response = await client.request(method, self.base + path, json=body, headers=self.headers,
+                                                timeout=120)
+                break
+            except httpx.TransportError:
+                if attempt == 2:
+                    raise
+                await asyncio.sleep(1.0)
         response.raise_for_status()
         return response.json() if response.headers.get("content-type", "").startswith("application/json") else None
 
@@ -199,7 +207,9 @@ class Storm:
             self.server_errors.append(f"{label}: {status}")
 
     async def run(self) -> dict[str, Any]:
-        limits = httpx.Limits(max_connections=self.args.concurrency * 2)
+        # Idle connections are dropped before uvicorn's keep-alive timeout (5 s) closes them: a
+        # request on a connection the server is closing would fail in the client, not the server.
+        limits = httpx.Limits(max_connections=self.args.concurrency * 2, keepalive_expiry=2.0)
         async with httpx.AsyncClient(limits=limits) as client:
             info = await self.json(client, "GET", "/get_model_info")
             hostile = hostile_bodies(info.get("vocab_size") or 49152)

@@ -159,9 +159,10 @@ def run_storm(server: Server, requests: int, concurrency: int) -> dict:
     result = subprocess.run([sys.executable, str(STORM), "--base-url", server.base, "--api-key", API_KEY,
                              "--requests", str(requests), "--concurrency", str(concurrency)],
                             capture_output=True, text=True, timeout=1800)
-    assert result.stdout, result.stderr[-3000:]
+    server_log = "".join(server.output[-60:])
+    assert result.stdout, result.stderr[-3000:] + "\nserver:\n" + server_log
     summary = json.loads(result.stdout)
-    assert not broke(summary), json.dumps(summary, indent=1)[:6000]
+    assert not broke(summary), json.dumps(summary, indent=1)[:6000] + "\nserver:\n" + server_log
     assert result.returncode == 0
     return summary
 
@@ -382,3 +383,35 @@ def test_an_unexpected_exception_is_a_500_error_object_and_never_reaches_uvicorn
     assert is_error_object(plain, 500) and "RuntimeError: a plugin route's bug" in plain.json()["error"]["message"]
     events = [json.loads(line[6:]) for line in stream.text.splitlines() if line.startswith("data: {")]
     assert stream.status_code == 200 and events[-1]["error"]["code"] == 500 and "KeyError" in events[-1]["error"]["message"]
+
+
+NAN_ATTENTION = """
+import torch
+
+from srv.sdk import hookimpl
+from srv.sdk.attention import AttentionBackend
+
+
+class NaNAttention(AttentionBackend):
+    def attend(self, q, layer_id, batch):
+        return torch.full_like(q, float("nan"))
+
+
+@hookimpl
+def srv_register_attention_backends(register):
+    register("nan", NaNAttention, description="NaN everywhere (--crash-on-nan test)")
+"""
+
+
+def test_a_fault_the_scheduler_cannot_absorb_ends_the_server_at_once(fake_dists, monkeypatch):
+    """--crash-on-nan: the scheduler process exits (not hangs on its ZMQ context at exit), the
+    request gets an error, and the server exits non-zero."""
+    fake_dists.add("srv-nan", {"nan": "nan_plugin"}, {"nan_plugin": NAN_ATTENTION})
+    monkeypatch.setenv("PYTHONPATH", fake_dists.env["PYTHONPATH"])
+    server = Server("--attention-backend", "nan", "--crash-on-nan", "true", "--skip-server-warmup")
+    started = time.monotonic()
+    response = httpx.post(f"{server.base}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60)
+    assert response.status_code >= 500 and "scheduler process died" in response.json()["error"]["message"]
+    assert server.process.wait(timeout=30) != 0
+    assert time.monotonic() - started < 30
+    assert "NaN in the logits" in "".join(server.output)

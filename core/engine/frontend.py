@@ -21,13 +21,25 @@ from typing import Any, AsyncIterator, Callable, TypeVar
 from srv.engine.grammar import GrammarCompiler
 from srv.engine.io import AbortRequest, ControlRequest, ControlResult, GenerateRequest, RequestOutput
 from srv.engine.limits import RequestLimits
-from srv.engine.params import InvalidRequest, SamplingParamsInput, make_sampling_params, max_new_tokens_given
+from srv.engine.params import (InvalidRequest, SamplingParamsInput, choice_seed, make_sampling_params,
+                               max_new_tokens_given)
 from srv.engine.request_state import RequestState
 from srv.engine.tokenizer import TokenizerPool
 from srv.sdk.sampling import SamplingParams
 
 T = TypeVar("T")
 RawParams = dict[str, Any] | SamplingParamsInput | None
+
+
+def _one_choice(raw: RawParams) -> RawParams:
+    """`raw`, if it asks for one choice (`Frontend.stream` follows one request)."""
+    if isinstance(raw, SamplingParamsInput):
+        n = raw.n
+    else:
+        n = raw.get("n") if isinstance(raw, dict) else None
+    if n not in (None, 1):
+        raise InvalidRequest("streaming one request takes n = 1", "n")
+    return raw
 
 
 class QueueFull(Exception):
@@ -160,7 +172,9 @@ class Frontend:
     async def _follow(self, state: RequestState, interval: int = 1) -> AsyncIterator[RequestState]:
         """Yield `state` as outputs arrive (every `interval` tokens, and at the end); abort the
         request if the caller stops listening first."""
-        queue = self._queues[state.rid]
+        queue = self._queues.get(state.rid)
+        if queue is None:   # released before anyone listened
+            return
         pending = 0
         try:
             while not state.finished:
@@ -173,37 +187,97 @@ class Frontend:
                     pending = 0
                     yield state
         finally:
-            self._queues.pop(state.rid, None)
-            self._not_started.discard(state.rid)
-            if not state.finished and self.dead is None:
-                self.send(AbortRequest(state.rid))
+            self._drop(state)
+
+    def _drop(self, state: RequestState) -> None:
+        """Stop following a request, aborting it if it has not ended (idempotent)."""
+        if self._queues.pop(state.rid, None) is None:
+            return
+        self._not_started.discard(state.rid)
+        if not state.finished and self.dead is None:
+            self.send(AbortRequest(state.rid))
+
+    def release(self, groups: list[list[RequestState]]) -> None:
+        """The caller of `submit` is gone: abort whatever of its requests has not ended."""
+        for group in groups:
+            for state in group:
+                self._drop(state)
+
+    async def submit(self, prompts: list[str | None], input_ids: list[list[int] | None],
+                     raw_params: list[RawParams], priority: int | None = None,
+                     labels: dict[str, str] | None = None, rid: str | None = None) -> list[list[RequestState]]:
+        """Queue every prompt, n choices each; returns their states as they start. Each choice
+        is a request of its own, with a seed of its own when the prompt has one (the choices are
+        independent samples, the same again for the same seed). The prompt of an n > 1 request is
+        prefilled once first, so its choices find it in the prefix cache. Either every request of
+        the call is queued or none is; the caller follows them (`follow`) or `release`s them."""
+        prepared = [await self.prepare(p, i, r) for p, i, r in zip(prompts, input_ids, raw_params)]
+        choices = sum(params.n for _, params in prepared)
+        self._check_can_submit(priority, choices + sum(params.n > 1 and params.logprob_start_len < 0
+                                                       for _, params in prepared))
+        # (Not when the choices want the prompt's log-probabilities: each computes its prompt.)
+        warmups = [self._submit(ids, replace(params, max_new_tokens=0, n=1), priority, labels=labels)
+                   for ids, params in prepared if params.n > 1 and params.logprob_start_len < 0]
+        await asyncio.gather(*(self._finish(warmup) for warmup in warmups))
+        groups, index = [], 0
+        for ids, params in prepared:
+            group = []
+            for i in range(params.n):
+                own_rid = rid if rid is None or choices == 1 else f"{rid}_{index}"
+                group.append(self._submit(ids, replace(params, n=1, seed=choice_seed(params.seed, i)), priority,
+                                          own_rid, labels))
+                index += 1
+            groups.append(group)
+        return groups
+
+    async def follow(self, groups: list[list[RequestState]], interval: int = 1) -> AsyncIterator[tuple[int, RequestState]]:
+        """(choice index, state) as each choice of `submit`'s groups advances (every `interval`
+        tokens, and at its end), in the order updates arrive; a state may come again unchanged.
+        Closing the iterator aborts the choices that have not ended."""
+        states = [state for group in groups for state in group]
+        updates: asyncio.Queue[tuple[int, RequestState | None]] = asyncio.Queue()
+
+        async def pump(index: int, state: RequestState) -> None:
+            try:
+                async for update in self._follow(state, interval):
+                    updates.put_nowait((index, update))
+            finally:
+                updates.put_nowait((index, None))
+
+        tasks = [asyncio.ensure_future(pump(i, state)) for i, state in enumerate(states)]
+        try:
+            running = len(tasks)
+            while running:
+                index, state = await updates.get()
+                if state is None:
+                    running -= 1
+                else:
+                    yield index, state
+        finally:
+            for task in tasks:
+                task.cancel()
+            self.release(groups)
 
     async def stream(self, prompt: str | None, input_ids: list[int] | None, raw_params: RawParams,
                      priority: int | None = None, interval: int = 1, rid: str | None = None,
                      labels: dict[str, str] | None = None) -> AsyncIterator[RequestState]:
         """One request (n = 1), its state after each update. Checks run before the first yield."""
-        ids, params = await self.prepare(prompt, input_ids, raw_params)
-        if params.n != 1:
-            raise InvalidRequest("streaming takes n = 1", "n")
-        self._check_can_submit(priority)
-        state = self._submit(ids, params, priority, rid, labels)
+        [[state]] = await self.submit([prompt], [input_ids], [_one_choice(raw_params)], priority, labels, rid)
         return self._follow(state, interval)
 
     async def generate(self, prompts: list[str | None], input_ids: list[list[int] | None],
                        raw_params: list[RawParams], priority: int | None = None,
                        labels: dict[str, str] | None = None) -> list[list[RequestState]]:
-        """Every prompt, n copies each, run to the end. The prompt of an n > 1 request is
-        prefilled once first, so its copies find it in the prefix cache. Either every request
-        of the call is queued or none is."""
-        prepared = [await self.prepare(p, i, r) for p, i, r in zip(prompts, input_ids, raw_params)]
-        self._check_can_submit(priority, sum(params.n + (params.n > 1) for _, params in prepared))
-        warmups = [self._submit(ids, replace(params, max_new_tokens=0, n=1), priority, labels=labels)
-                   for ids, params in prepared if params.n > 1]
-        await asyncio.gather(*(self._finish(warmup) for warmup in warmups))
-        groups = [[self._submit(ids, replace(params, n=1), priority, labels=labels) for _ in range(params.n)]
-                  for ids, params in prepared]
-        # One gather for all: cancelling the call (its client left) aborts every request in it.
-        await asyncio.gather(*(self._finish(state) for group in groups for state in group))
+        """Every prompt, n choices each (see `submit`), run to the end."""
+        return await self.wait(await self.submit(prompts, input_ids, raw_params, priority, labels))
+
+    async def wait(self, groups: list[list[RequestState]]) -> list[list[RequestState]]:
+        """`submit`'s groups once every choice has ended. One gather for all: cancelling the
+        wait (its client left) aborts every request of the call."""
+        try:
+            await asyncio.gather(*(self._finish(state) for group in groups for state in group))
+        finally:
+            self.release(groups)
         return groups
 
     async def _finish(self, state: RequestState) -> RequestState:

@@ -122,10 +122,17 @@ class ModelRunner:
         logger.info("KV cache: %d slots, %.1f MiB", num_slots, num_slots * self.kv_bytes_per_token() / 2**20)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, out_cache_loc: torch.Tensor,
-                kv_slots: torch.Tensor, prefix_lens: list[int], extend_lens: list[int]) -> torch.Tensor:
+                kv_slots: torch.Tensor, prefix_lens: list[int], extend_lens: list[int],
+                logits_indices: torch.Tensor | None = None) -> torch.Tensor:
         decode = all(e == 1 for e in extend_lens)
         batch = ForwardBatch(input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc,
                              kv_slots=kv_slots, prefix_lens=prefix_lens, extend_lens=extend_lens,
                              kv_cache=self.kv_cache,
-                             attention=self.decode_attention if decode else self.prefill_attention)
-        return self.model(batch)
+                             attention=self.decode_attention if decode else self.prefill_attention,
+                             logits_indices=logits_indices)
+        logits = self.model(batch)
+        rows = len(extend_lens) if logits_indices is None else len(logits_indices)
+        if logits.shape[0] != rows:
+            raise RuntimeError(f"the model returned {logits.shape[0]} rows of logits for {rows} asked: it must "
+                               "return the rows ForwardBatch.logits_rows() names")
+        return logits

@@ -49,6 +49,7 @@ N = Annotated[int, Field(ge=1, le=MAX_N)]
 TopLogprobs = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 Stop = NonEmptyStr | Annotated[list[NonEmptyStr], Field(max_length=MAX_STOP_STRINGS)]
+StopRegex = NonEmptyStr | Annotated[list[NonEmptyStr], Field(max_length=MAX_STOP_STRINGS)]
 # Token ids (as JSON object keys) to a bias added to their logits.
 LogitBias = dict[Annotated[str, Field(pattern=r"^\d{1,18}$")], float]
 
@@ -77,10 +78,13 @@ class SamplingParamsInput(StrictInput):
     seed: Seed | None = None
     stop: Stop | None = None
     stop_token_ids: list[TokenId] | None = None
+    stop_regex: StopRegex | None = None
+    no_stop_trim: bool | None = None
     ignore_eos: bool | None = None
     n: N | None = None
     logprobs: bool | None = None
     top_logprobs: TopLogprobs | None = None
+    logprob_start_len: Annotated[int, Field(ge=-1)] | None = None
     json_schema: str | dict[str, Any] | None = None
     regex: str | None = None
     ebnf: str | None = None
@@ -118,8 +122,11 @@ def make_sampling_params(raw: dict[str, Any] | SamplingParamsInput | None) -> Sa
         except ValidationError as exc:
             raise validation_error(exc) from None
     values = given.model_dump(exclude_none=True)
-    if isinstance(values.get("stop"), str):
-        values["stop"] = [values["stop"]]
+    for name in ("stop", "stop_regex"):
+        if isinstance(values.get(name), str):
+            values[name] = [values[name]]
+    for pattern in values.get("stop_regex", []):
+        check_stop_regex(pattern)
     if isinstance(values.get("json_schema"), dict):
         values["json_schema"] = json.dumps(values["json_schema"])
     if "logit_bias" in values:
@@ -128,6 +135,25 @@ def make_sampling_params(raw: dict[str, Any] | SamplingParamsInput | None) -> Sa
     if sum(getattr(params, kind) is not None for kind in ("json_schema", "regex", "ebnf")) > 1:
         raise InvalidRequest("give at most one of json_schema, regex and ebnf")
     return params
+
+
+def check_stop_regex(pattern: str) -> None:
+    """A stop_regex must compile (it is matched with the `regex` module, which can tell a
+    partial match at the end of the text, so streamed text never shows what a match removes)."""
+    import regex
+
+    try:
+        regex.compile(pattern)
+    except regex.error as exc:
+        raise InvalidRequest(f"stop_regex {pattern!r} is not a valid regular expression: {exc}", "stop_regex") from None
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """The seed of choice `index` of a request seeded with `seed`: the first choice keeps it,
+    the others draw from seeds of their own, so n choices are n independent samples."""
+    if seed is None or index == 0:
+        return seed
+    return (seed + index * 0x9E3779B97F4A7C15) % 2**63
 
 
 def max_new_tokens_given(raw: dict[str, Any] | SamplingParamsInput | None) -> bool:

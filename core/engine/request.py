@@ -41,6 +41,10 @@ class Req:
     matched_stop: int | str | None = None
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    # The prompt's log-probabilities, token params.logprob_start_len on (None for token 0).
+    input_logprobs: list[float | None] = field(default_factory=list)
+    input_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    input_logprobs_sent: bool = False
     retractions: int = 0
     grammar: GrammarMatcher | None = None   # the request's constraint (json_schema, regex or ebnf)
     # The output's text as far as stop strings need it: the front end cuts its text with the
@@ -68,3 +72,12 @@ class Req:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def next_prompt_logprob(self) -> int | None:
+        """The prompt token whose log-probability comes next (None: none wanted, or all known)."""
+        start = self.params.logprob_start_len
+        if start < 0:
+            return None
+        token = min(start, self.prompt_len) + len(self.input_logprobs)
+        return token if token < self.prompt_len else None

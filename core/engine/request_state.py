@@ -22,6 +22,9 @@ class RequestState:
         self.output_ids: list[int] = []
         self.logprobs: list[float] = []
         self.top_logprobs: list[list[tuple[int, float]]] = []
+        # The prompt's log-probabilities, with logprob_start_len >= 0 (see RequestOutput).
+        self.input_logprobs: list[float | None] = []
+        self.input_top_logprobs: list[list[tuple[int, float]]] = []
         self.finish_reason: str | None = None
         self.matched_stop: int | str | None = None
         self.error: str | None = None
@@ -44,6 +47,8 @@ class RequestState:
         self.logprobs += out.logprobs
         self.top_logprobs += out.top_logprobs
         self.cached_tokens = out.cached_tokens
+        if out.input_logprobs is not None:
+            self.input_logprobs, self.input_top_logprobs = out.input_logprobs, out.input_top_logprobs or []
         self.error = out.error
         if out.finish_reason is not None:
             self.finish_reason, self.matched_stop = out.finish_reason, out.matched_stop

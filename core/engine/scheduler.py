@@ -150,7 +150,7 @@ class Scheduler:
             if self.grammars is None:
                 raise GrammarError("constrained decoding needs the tokenizer (--skip-tokenizer-init is set)")
             req.grammar = self.grammars.matcher(spec)
-        if req.params.stop and self.tokenizer is not None:
+        if (req.params.stop or req.params.stop_regex) and self.tokenizer is not None:
             req.stop_matcher = IncrementalDetokenizer.for_request(self.tokenizer, req.params)
         self.waiting.append(req)
 
@@ -215,8 +215,13 @@ class Scheduler:
         req.row = self.req_pool.allocate()
         req.cached_prefix_len = 0
         if self.tree is not None:
-            # The last token must be computed to sample from it, so it never comes from the cache.
-            slots, node = self.tree.match_prefix(req.token_ids[: req.seq_len - 1])
+            # The last token must be computed to sample from it, so it never comes from the cache;
+            # nor may the positions whose logits give prompt log-probabilities still wanted.
+            limit = req.seq_len - 1
+            wanted = req.next_prompt_logprob
+            if wanted is not None:
+                limit = min(limit, max(wanted - 1, 0))
+            slots, node = self.tree.match_prefix(req.token_ids[:limit])
             self.tree.lock(node)
             req.cache_node = node
             req.cached_prefix_len = slots.numel()
@@ -438,9 +443,19 @@ class Scheduler:
         return kept, torch.cat(rows) if rows else torch.empty(0)
 
     def _forward(self, batch: list[tuple[Req, int]]) -> torch.Tensor:
-        ids, positions, locs = [], [], []
+        """The logits of each request's last new token, [B, vocab]; prompt log-probabilities a
+        request wants from this chunk are recorded on the way (their rows come after those)."""
+        ids, positions, locs, prompt_rows = [], [], [], []
         for req, extend in batch:
             tokens = req.token_ids
+            wanted = req.next_prompt_logprob
+            if wanted is not None:
+                if wanted == 0:   # the first prompt token has no log-probability
+                    req.input_logprobs.append(None)
+                    req.input_top_logprobs.append([])
+                # Position p's logits give token p + 1: (request, row in the batch, that token).
+                prompt_rows += [(req, len(ids) + p - req.kv_len, tokens[p + 1])
+                                for p in range(max(wanted - 1, req.kv_len), min(req.kv_len + extend, req.prompt_len - 1))]
             ids += tokens[req.kv_len: req.kv_len + extend]
             positions.append(torch.arange(req.kv_len, req.kv_len + extend))
             locs.append(self.req_pool.table[req.row, req.kv_len: req.kv_len + extend])
@@ -450,13 +465,34 @@ class Scheduler:
         # Past its own tokens a row may hold slots reserved for later ones, never written yet:
         # point them at slot 0 as ForwardBatch promises, or masked attention would read garbage.
         kv_slots = self.req_pool.table[rows, :max_len].masked_fill_(torch.arange(max_len) >= lens[:, None], 0)
+        extends = [extend for _, extend in batch]
+        logits_indices = None
+        if prompt_rows:
+            last = torch.tensor(extends).cumsum(0) - 1
+            logits_indices = torch.cat([last, torch.tensor([row for _, row, _ in prompt_rows])])
         logits = self.runner.forward(
             torch.tensor(ids), torch.cat(positions), torch.cat(locs), kv_slots,
-            [req.kv_len for req, _ in batch], [extend for _, extend in batch])
+            [req.kv_len for req, _ in batch], extends, logits_indices)
+        if prompt_rows:
+            self._record_prompt_logprobs(prompt_rows, logits[len(batch):])
+            logits = logits[:len(batch)]
         for req, extend in batch:
             req.kv_len += extend
         self.stats.forward_steps += 1
         return logits
+
+    @staticmethod
+    def _record_prompt_logprobs(rows: list[tuple[Req, int, int]], logits: torch.Tensor) -> None:
+        """The log-probability of each row's next prompt token (and the top ones, if asked),
+        appended to its request's prompt log-probabilities."""
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        top_k = max(req.params.top_logprobs for req, _, _ in rows)
+        top = torch.topk(logprobs, top_k, dim=-1) if top_k else None
+        for j, (req, _, token) in enumerate(rows):
+            req.input_logprobs.append(_reportable(float(logprobs[j, token])))
+            k = req.params.top_logprobs
+            req.input_top_logprobs.append(list(zip(top.indices[j, :k].tolist(), map(_reportable, top.values[j, :k].tolist())))
+                                          if top is not None and k else [])
 
     @torch.inference_mode()
     def _process(self, batch: list[tuple[Req, int]], logits: torch.Tensor) -> list[Req]:

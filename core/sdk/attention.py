@@ -42,6 +42,9 @@ class ForwardBatch:
     input_ids, positions, out_cache_loc: [T], the new tokens of every request, concatenated.
     kv_slots: [B, max(prefix + extend)] cache slots of each request's tokens, 0-padded; the new tokens
         are written to out_cache_loc, which equals their places in kv_slots.
+    logits_indices: the rows of the new tokens whose logits the model returns, in this order;
+        None means each request's last new token (one row a request, in batch order). The
+        scheduler asks for more rows when a request wants its prompt's log-probabilities.
     """
 
     input_ids: torch.Tensor
@@ -53,6 +56,7 @@ class ForwardBatch:
     kv_cache: KVCache
     attention: "AttentionBackend"
     metadata: dict[str, Any] = field(default_factory=dict)
+    logits_indices: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -64,6 +68,10 @@ class ForwardBatch:
 
     def last_token_indices(self) -> torch.Tensor:
         return torch.tensor(self.extend_lens).cumsum(0) - 1
+
+    def logits_rows(self) -> torch.Tensor:
+        """The rows whose logits a model returns (see `logits_indices`)."""
+        return self.last_token_indices() if self.logits_indices is None else self.logits_indices
 
 
 class AttentionBackend(ABC):

@@ -91,7 +91,8 @@ class ModelImpl(ABC):
     """Builds models for some architectures.
 
     The module it builds takes a `srv.sdk.attention.ForwardBatch` and returns float32 logits
-    [batch, vocab] of each request's last new token, and has `load_weights(named_tensors)`
+    [rows, vocab] of the rows `batch.logits_rows()` names (each request's last new token unless
+    the batch asks for more: prompt log-probabilities), and has `load_weights(named_tensors)`
     taking Hugging Face checkpoint names.
     """
 

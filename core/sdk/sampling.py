@@ -29,10 +29,14 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
+    stop_regex: list[str] = field(default_factory=list)
+    no_stop_trim: bool = False        # keep the stop string (or what stop_regex matched) in the text
     ignore_eos: bool = False
     n: int = 1
     logprobs: bool = False
     top_logprobs: int = 0
+    # The prompt's log-probabilities from this token on (SGLang's logprob_start_len; -1: none).
+    logprob_start_len: int = -1
     # Constrained decoding: at most one of these (a JSON schema as text, a regex, an EBNF grammar).
     json_schema: str | None = None
     regex: str | None = None

@@ -168,21 +168,76 @@ def error_event(message: str, status: int = 500) -> str:
     return sse({"error": {"message": message, "type": "server_error", "param": None, "code": status}})
 
 
-def event_stream(states: AsyncIterator[RequestState], events: Callable[[RequestState, str], list[Any]],
-                 closing: Callable[[], list[Any]] = list) -> StreamingResponse:
-    """Server-sent events: `events(state, new_text)` for each update, `closing()` at the end,
-    then [DONE]. A client that leaves closes `states`, which aborts the request."""
+@dataclass
+class Step:
+    """What one update of a choice adds: text, the range of its new tokens, whether this is the
+    choice's first piece and whether it ends with it."""
+    text: str
+    tokens: range
+    first: bool
+    ending: bool
+
+    @classmethod
+    def whole(cls, state: RequestState) -> "Step":
+        """A finished choice in one piece (a response that is not streamed)."""
+        return cls(state.text, range(len(state.output_ids)), True, True)
+
+
+class ChoiceProgress:
+    """How far each streamed choice has gone out (updates may repeat a state unchanged)."""
+
+    def __init__(self) -> None:
+        self._text: dict[int, int] = {}
+        self._tokens: dict[int, int] = {}
+        self._ended: set[int] = set()
+
+    def advance(self, index: int, state: RequestState) -> Step | None:
+        if index in self._ended:
+            return None
+        first = index not in self._text
+        text_sent, tokens_sent = self._text.get(index, 0), self._tokens.get(index, 0)
+        text, tokens, ending = state.text[text_sent:], range(tokens_sent, len(state.output_ids)), state.finished
+        if not first and not text and not tokens and not ending:
+            return None
+        self._text[index], self._tokens[index] = len(state.text), len(state.output_ids)
+        if ending:
+            self._ended.add(index)
+        return Step(text, tokens, first, ending)
+
+
+class SSEResponse(StreamingResponse):
+    """Server-sent events that run `on_close` however the response ends, even when the client
+    left before the first event (a body iterator that never started cannot clean up)."""
+
+    def __init__(self, body: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(body, media_type="text/event-stream")
+        self.on_close = on_close
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
+def event_stream(updates: AsyncIterator[tuple[int, RequestState]],
+                 events: Callable[[int, RequestState, Step], list[Any]],
+                 closing: Callable[[], list[Any]] = list, on_close: Callable[[], None] = lambda: None) -> SSEResponse:
+    """Server-sent events: `events(index, state, step)` for each choice's update, `closing()` at
+    the end, then [DONE]. The response's end (a client that leaves included) closes `updates`,
+    which aborts what has not finished, and calls `on_close`."""
+    progress = ChoiceProgress()
 
     async def body() -> AsyncIterator[str]:
-        sent = ""
         try:
-            async for state in states:
+            async for index, state in updates:
                 if state.error is not None:
                     yield error_event(state.error)
                     return
-                new_text, sent = state.text[len(sent):], state.text
-                for event in events(state, new_text):
-                    yield sse(event)
+                step = progress.advance(index, state)
+                if step is not None:
+                    for event in events(index, state, step):
+                        yield sse(event)
             for event in closing():
                 yield sse(event)
             yield "data: [DONE]\n\n"
@@ -190,9 +245,9 @@ def event_stream(states: AsyncIterator[RequestState], events: Callable[[RequestS
             logger.exception("a streamed response failed")
             yield error_event(f"internal error: {type(exc).__name__}: {exc}")
         finally:
-            await states.aclose()
+            await updates.aclose()
 
-    return StreamingResponse(body(), media_type="text/event-stream")
+    return SSEResponse(body(), on_close)
 
 
 def checked(state: RequestState) -> RequestState:

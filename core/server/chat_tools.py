@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from srv.sdk.tools import ToolCall, ToolCallDelta, ToolCallParser, ToolCallStream
@@ -35,27 +35,34 @@ class ToolCalling:
     @classmethod
     def from_request(cls, tools: list[Tool] | None, choice: str | NamedToolChoice | None,
                      parser: ToolCallParser | None) -> "ToolCalling | None":
-        """None when the request does not call tools (no tools, or tool_choice "none")."""
-        if tools is None:
-            if choice not in (None, "none"):
-                raise APIError("tool_choice needs tools", param="tool_choice")
+        """None when the request does not call tools (no tools, or tool_choice "none"). The
+        errors a client may match on are SGLang's words."""
+        if not tools:
+            if choice == "required":
+                raise APIError("Tools cannot be empty if tool choice is set to required.", param="tool_choice")
+            if isinstance(choice, NamedToolChoice):
+                raise APIError("Tools cannot be empty if tool choice is set to a specific tool.", param="tool_choice")
             return None
         functions = [tool.function.model_dump(exclude_none=True) for tool in tools]
-        names = {function["name"] for function in functions}
+        for i, function in enumerate(functions):
+            _check_parameters(i, function.get("parameters"))
         named = None
         if choice is None:
             choice = "auto"
         elif isinstance(choice, NamedToolChoice):
             named = choice.function.name
-            if named not in names:
-                raise APIError(f"tool_choice names the function {named!r}, which is not among the tools",
-                               param="tool_choice")
+            if named not in {function["name"] for function in functions}:
+                raise APIError(f"Tool '{named}' not found in tools list.", param="tool_choice")
             choice = "named"
         if choice == "none":
             return None
         if parser is None:
             raise APIError("tool calling needs a tool-call parser (--tool-call-parser)", param="tools")
         return cls(parser, functions, choice, named)
+
+    def for_choice(self) -> "ToolCalling":
+        """A copy for one choice of the request: its own calls and call ids."""
+        return replace(self, calls=[], ids=[])
 
     # ---- the prompt ------------------------------------------------------------------------------
 
@@ -82,9 +89,16 @@ class ToolCalling:
         if self.choice == "named":
             return parameters(next(f for f in self.functions if f["name"] == self.named))
         if self.choice == "required":
-            calls = [{"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": parameters(f)},
-                      "required": ["name", "arguments"], "additionalProperties": False} for f in self.functions]
-            return {"type": "array", "minItems": 1, "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+            # Each tool's parameters move under the array's items; their local definitions
+            # ($defs, definitions) move to the root with them, renamed per tool.
+            definitions: dict[str, Any] = {}
+            calls = [{"type": "object", "properties": {
+                "name": {"const": f["name"]}, "arguments": _hoist_definitions(parameters(f), f"tool{i}_", definitions)},
+                "required": ["name", "arguments"], "additionalProperties": False} for i, f in enumerate(self.functions)]
+            schema = {"type": "array", "minItems": 1, "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+            if definitions:
+                schema["$defs"] = definitions
+            return schema
         return None
 
     # ---- reading the output ----------------------------------------------------------------------
@@ -92,16 +106,9 @@ class ToolCalling:
     def stream(self) -> ToolCallStream:
         return self.parser.stream(fixed_name=self.named, whole_output=self.choice != "auto")
 
-    def message(self, text: str) -> tuple[dict[str, Any], bool]:
-        """The assistant message for a whole output, and whether it holds calls."""
-        stream = self.stream()
-        content, _ = stream.feed(text)
-        content = (content + stream.finish()).strip()
-        calls = [self._call_object(i, call) for i, call in enumerate(stream.calls)]
-        message: dict[str, Any] = {"role": "assistant", "content": content or None}
-        if calls:
-            message["tool_calls"] = calls
-        return message, bool(calls)
+    def tool_calls(self, stream: ToolCallStream) -> list[dict[str, Any]]:
+        """The tool_calls of a finished output, as OpenAI's message carries them."""
+        return [self._call_object(i, call) for i, call in enumerate(stream.calls)]
 
     def _call_id(self, index: int) -> str:
         while len(self.ids) <= index:
@@ -122,6 +129,52 @@ class ToolCalling:
             else:
                 objects.append({"index": delta.index, "function": {"arguments": delta.arguments}})
         return objects
+
+
+def _check_parameters(index: int, parameters: Any) -> None:
+    """A tool's parameters must be a JSON schema (SGLang checks them against draft 2020-12)."""
+    if parameters is None:
+        return
+    from jsonschema import Draft202012Validator, SchemaError
+
+    try:
+        Draft202012Validator.check_schema(parameters)
+    except SchemaError as exc:
+        raise APIError(f"Tool {index} function has invalid 'parameters' schema: {exc.message}", param="tools") from None
+    except RecursionError:
+        raise APIError(f"Tool {index} function 'parameters' schema is too deeply nested or contains a cycle.",
+                       param="tools") from None
+
+
+def _hoist_definitions(schema: dict[str, Any], prefix: str, into: dict[str, Any]) -> dict[str, Any]:
+    """`schema` with its local definitions moved into `into` under `prefix` and every local
+    reference rewritten to match (a reference to the schema's own root included), so that it
+    keeps its meaning inside a larger schema."""
+    local = {**schema.get("definitions", {}), **schema.get("$defs", {})}
+    body = {k: v for k, v in schema.items() if k not in ("$defs", "definitions")}
+
+    def rewrite(node: Any) -> Any:
+        if isinstance(node, dict):
+            node = {k: rewrite(v) for k, v in node.items()}
+            ref = node.get("$ref")
+            if isinstance(ref, str):
+                if ref == "#":
+                    node["$ref"] = f"#/$defs/{prefix}root"
+                    into.setdefault(f"{prefix}root", None)
+                for kind in ("#/$defs/", "#/definitions/"):
+                    if ref.startswith(kind):
+                        node["$ref"] = f"#/$defs/{prefix}{ref[len(kind):]}"
+            return node
+        if isinstance(node, list):
+            return [rewrite(item) for item in node]
+        return node
+
+    for name, definition in local.items():
+        into[f"{prefix}{name}"] = rewrite(definition)
+    body = rewrite(body)
+    if f"{prefix}root" in into:
+        into[f"{prefix}root"] = body
+    return body
 
 
 def history_message(message: dict[str, Any], parser: ToolCallParser | None, template_source: str) -> dict[str, Any]:

@@ -12,7 +12,8 @@ from starlette.routing import Route
 from srv.engine.frontend import EngineDead
 from srv.engine.request_state import RequestState
 from srv.engine.params import SamplingParamsInput
-from srv.server.app import APIError, ServerContext, check_choices, checked, event_stream, read_body, until_done
+from srv.server.app import (APIError, ServerContext, Step, check_choices, checked, event_stream, read_body,
+                            until_done)
 from srv.server.protocol import AbortRequestBody, GenerateRequest
 
 
@@ -35,73 +36,83 @@ class NativeRoutes:
             return Response(status_code=503)
         return Response(status_code=200 if state.error is None else 503)
 
-    def _result(self, state: RequestState, body: GenerateRequest, since: int = 0,
-                text_since: int = 0) -> dict[str, Any]:
+    def _result(self, state: RequestState, body: GenerateRequest, step: Step | None = None) -> dict[str, Any]:
+        """SGLang's result of a choice: all of it, or with --stream-output what `step` added."""
         result = checked(state).result()
-        result["text"] = result["text"][text_since:]
-        result["output_ids"] = result["output_ids"][since:]
+        tokens = range(len(state.output_ids))
+        if step is not None:
+            tokens, result["text"] = step.tokens, step.text
+            result["output_ids"] = [state.output_ids[i] for i in tokens]
         if body.return_logprob:
-            result["meta_info"]["output_token_logprobs"] = [
-                [lp, token, None] for lp, token in zip(state.logprobs, state.output_ids)]
-            result["meta_info"]["output_top_logprobs"] = [[[v, i, None] for i, v in top] for top in state.top_logprobs]
+            text = self._token_text if body.return_text_in_logprobs else (lambda token: None)
+            meta = result["meta_info"]
+            meta["output_token_logprobs"] = [[state.logprobs[i], state.output_ids[i], text(state.output_ids[i])]
+                                             for i in tokens]
+            meta["output_top_logprobs"] = [[[v, t, text(t)] for t, v in state.top_logprobs[i]] for i in tokens] \
+                if state.top_logprobs else []
+            if state.params.logprob_start_len >= 0 and (step is None or step.first):
+                prompt = state.prompt_ids[min(state.params.logprob_start_len, len(state.prompt_ids)):]
+                meta["input_token_logprobs"] = [[lp, t, text(t)] for lp, t in zip(state.input_logprobs, prompt)]
+                meta["input_top_logprobs"] = [[[v, t, text(t)] for t, v in top] or None
+                                              for top in state.input_top_logprobs]
         return result
+
+    def _token_text(self, token: int) -> str | None:
+        tokenizer = self.context.tokenizer
+        return tokenizer.decode([token]) if tokenizer is not None else None
 
     @staticmethod
     def _params(body: GenerateRequest, given: SamplingParamsInput | None) -> SamplingParamsInput:
         params = given or SamplingParamsInput()
         if body.return_logprob:
-            params = params.model_copy(update={"logprobs": True, "top_logprobs": body.top_logprobs_num or 0})
+            params = params.model_copy(update={"logprobs": True, "top_logprobs": body.top_logprobs_num or 0,
+                                               "logprob_start_len": body.logprob_start_len})
         return params
 
     async def generate(self, request: Request) -> Response:
+        """One prompt (one result, or a list of n with n > 1) or a batch (a flat list, n per
+        prompt), streamed or not; streamed choices of a batch or of n > 1 carry their index."""
         body = await read_body(request, GenerateRequest, self.context)
         self.context.log.request("/generate", body)
         text, ids, given = body.text, body.input_ids, body.sampling_params
-        batched = isinstance(text, list) or (ids is not None and isinstance(ids[0], list))
-        frontend = self.context.frontend
-        if not batched:
-            if isinstance(given, list):
-                raise APIError("sampling_params must be an object for one prompt", param="sampling_params")
-            states = await frontend.stream(text, ids, self._params(body, given), body.priority,
-                                           interval=self.context.args.stream_interval, rid=body.rid,
-                                           labels=self.context.labels(request))
-            if body.stream:
-                return self._stream(states, body)
-
-            async def last() -> RequestState:
-                async for state in states:
-                    pass
-                return state
-            result = self._result(await until_done(request, last()), body)
-            self.context.log.response("/generate", result)
-            return JSONResponse(result)
-        if body.stream:
-            raise APIError("streaming takes one prompt", param="stream")
         if text is not None and ids is not None:
             raise APIError("give text or input_ids, not both", param="input_ids")
-        count = len(text) if text is not None else len(ids)
+        batched = isinstance(text, list) or (ids is not None and isinstance(ids[0], list))
+        if batched:
+            count = len(text) if text is not None else len(ids)
+            texts = text if text is not None else [None] * count
+            idss = ids if ids is not None else [None] * count
+        else:
+            if isinstance(given, list):
+                raise APIError("sampling_params must be an object for one prompt", param="sampling_params")
+            count, texts, idss = 1, [text], [ids]
         if isinstance(given, list) and len(given) != count:
             raise APIError(f"sampling_params has {len(given)} entries for {count} prompts", param="sampling_params")
         params = [self._params(body, p) for p in (given if isinstance(given, list) else [given] * count)]
         check_choices(count, max((p.n or 1) for p in params))
-        groups = await until_done(request, frontend.generate(
-            text if text is not None else [None] * count, ids if ids is not None else [None] * count,
-            params, body.priority, self.context.labels(request)))
+        frontend = self.context.frontend
+        groups = await frontend.submit(texts, idss, params, body.priority, self.context.labels(request), body.rid)
+        single = not batched and len(groups[0]) == 1
+        if body.stream:
+            return self._stream(groups, body, single)
+        await until_done(request, frontend.wait(groups))
         results = [self._result(state, body) for group in groups for state in group]
         self.context.log.response("/generate", {"results": results})
-        return JSONResponse(results)
+        return JSONResponse(results[0] if single else results)
 
-    def _stream(self, states: Any, body: GenerateRequest) -> Response:
+    def _stream(self, groups: list[list[RequestState]], body: GenerateRequest, single: bool) -> Response:
         # --stream-output sends each update's new text and tokens; otherwise everything so far.
         incremental = self.context.args.stream_output
-        sent = {"ids": 0, "text": 0}
 
-        def events(state: RequestState, new_text: str) -> list[Any]:
-            since, text_since = (sent["ids"], sent["text"]) if incremental else (0, 0)
-            sent["ids"], sent["text"] = len(state.output_ids), len(state.text)
-            return [self._result(state, body, since, text_since)]
+        def events(index: int, state: RequestState, step: Step) -> list[Any]:
+            result = self._result(state, body, step if incremental else None)
+            if not single:
+                result["index"] = index
+            return [result]
 
-        return event_stream(states, events)
+        frontend = self.context.frontend
+        return event_stream(frontend.follow(groups, self.context.args.stream_interval), events,
+                            on_close=lambda: frontend.release(groups))
 
     async def get_model_info(self, request: Request) -> Response:
         args = self.context.args
@@ -113,7 +124,9 @@ class NativeRoutes:
     async def get_server_info(self, request: Request) -> Response:
         status = await self.context.frontend.control("status")
         return JSONResponse({**{k: v for k, v in vars(self.context.args).items() if k != "api_key"},
-                             "version": self.context.version, "scheduler": status})
+                             "version": self.context.version, "scheduler": status,
+                             "max_total_num_tokens": status["kv_capacity_tokens"],
+                             "max_running_requests": self.context.model_info.get("max_running_requests")})
 
     async def flush_cache(self, request: Request) -> Response:
         if await self.context.frontend.control("flush_cache"):

@@ -6,7 +6,7 @@ import json
 import time
 import uuid
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable
+from typing import Any, Callable
 
 from jinja2 import TemplateError
 from starlette.requests import Request
@@ -15,9 +15,11 @@ from starlette.routing import Route
 
 from srv.engine.request_state import RequestState
 from srv.sdk.grammar import ANY_JSON_OBJECT, GRAMMAR_KINDS
-from srv.server.app import APIError, ServerContext, check_choices, checked, event_stream, read_body, until_done
+from srv.sdk.tools import ToolCallStream
+from srv.server.app import (APIError, ServerContext, Step, check_choices, checked, event_stream, read_body,
+                            until_done)
 from srv.server.chat_tools import ToolCalling, history_message
-from srv.server.protocol import ChatCompletionRequest, CompletionRequest, ResponseFormat, SamplingFields
+from srv.server.protocol import ChatCompletionRequest, CompletionRequest, ResponseFormat, SamplingFields, TextPart
 
 # OpenAI request fields (and SGLang's extra ones) and the srv sampling parameter each sets.
 SAMPLING_FIELDS = {
@@ -106,26 +108,43 @@ class OpenAIRoutes:
             raise APIError(f"the model {request.path_params['model']!r} does not exist", 404, "model", "not_found_error")
         return JSONResponse(self._model_card())
 
-    def _stream(self, body: SamplingFields, states: AsyncIterator[RequestState], rid: str, created: int,
-                kind: str, choice: Callable[[RequestState, str, bool], dict[str, Any] | None]) -> Response:
-        """Chunks of one streamed choice, and a last chunk with usage if stream_options ask."""
-        include_usage = bool(body.stream_options is not None and body.stream_options.include_usage)
-        header = {"id": rid, "object": kind, "created": created, "model": self.context.model_name}
-        last: list[RequestState] = []
-        started: list[bool] = []       # a chunk went out (the first one carries the role)
+    async def _respond(self, request: Request, body: SamplingFields, groups: list[list[RequestState]], kind: str,
+                       choice: Callable[[int, RequestState, Step], dict[str, Any] | None],
+                       final: Callable[[dict[str, Any]], dict[str, Any]] = lambda piece: piece) -> Response:
+        """The response to `submit`'s groups: streamed, a chunk per choice's update (`choice`
+        makes its piece from the step), or once every choice ends, each piece made by the same
+        `choice` from the whole output and turned into a final choice by `final`."""
+        rid, created = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
+        header = {"id": rid, "created": created, "model": self.context.model_name}
+        frontend = self.context.frontend
+        states = [state for group in groups for state in group]
+        if body.stream:
+            options = body.stream_options
+            include_usage = bool(options and options.include_usage)
+            continuous = bool(options and options.continuous_usage_stats)
+            chunk_kind = "chat.completion.chunk" if kind == "chat" else "text_completion"
 
-        def events(state: RequestState, text: str) -> list[Any]:
-            last[:] = [state]
-            piece = choice(state, text, not started)
-            if piece is None:
-                return []
-            started[:] = [True]
-            return [{**header, "choices": [piece]}]
+            def events(index: int, state: RequestState, step: Step) -> list[Any]:
+                piece = choice(index, state, step)
+                if piece is None:
+                    return []
+                chunk = {**header, "object": chunk_kind, "choices": [piece]}
+                if continuous:
+                    chunk["usage"] = usage([[state]])
+                return [chunk]
 
-        def closing() -> list[Any]:
-            return [{**header, "choices": [], "usage": usage([last])}] if include_usage else []
+            def closing() -> list[Any]:
+                return [{**header, "object": chunk_kind, "choices": [], "usage": usage(groups)}] if include_usage else []
 
-        return event_stream(states, events, closing)
+            return event_stream(frontend.follow(groups, self.context.args.stream_interval), events, closing,
+                                lambda: frontend.release(groups))
+
+        await until_done(request, frontend.wait(groups))
+        choices = [final(choice(index, checked(state), Step.whole(state))) for index, state in enumerate(states)]
+        response = {**header, "object": "chat.completion" if kind == "chat" else "text_completion",
+                    "choices": choices, "usage": usage(groups)}
+        self.context.log.response(request.url.path, {"id": rid, "choices": choices, "usage": response["usage"]})
+        return JSONResponse(response)
 
     # ---- /v1/completions ---------------------------------------------------------------------
 
@@ -140,15 +159,27 @@ class OpenAIRoutes:
             return [None], [prompt]
         return [None] * len(prompt), list(prompt)
 
-    def _completion_logprobs(self, state: RequestState, offset: int) -> dict[str, Any]:
-        tokens = [self.token_text(t) for t in state.output_ids]
-        offsets, position = [], offset
-        for token in tokens:
-            offsets.append(position)
-            position += len(token)
-        return {"tokens": tokens, "token_logprobs": list(state.logprobs),
-                "top_logprobs": [{self.token_text(t): lp for t, lp in top} for top in state.top_logprobs],
-                "text_offset": offsets}
+    def _completion_logprobs(self, state: RequestState, tokens: range, offset: int) -> tuple[dict[str, Any], int]:
+        """OpenAI's legacy logprobs of `state`'s tokens in `tokens`, the first at text offset
+        `offset`; and the offset after them."""
+        texts = [self.token_text(state.output_ids[i]) for i in tokens]
+        offsets = []
+        for text in texts:
+            offsets.append(offset)
+            offset += len(text)
+        top = [{self.token_text(t): lp for t, lp in state.top_logprobs[i]} for i in tokens] \
+            if state.top_logprobs else [None] * len(texts)
+        return {"tokens": texts, "token_logprobs": [state.logprobs[i] for i in tokens], "top_logprobs": top,
+                "text_offset": offsets}, offset
+
+    def _prompt_logprobs(self, state: RequestState, output: dict[str, Any]) -> dict[str, Any]:
+        """`output`'s legacy logprobs with the echoed prompt's before them (the first token's
+        log-probability is null, as in OpenAI's API)."""
+        texts = [self.token_text(t) for t in state.prompt_ids]
+        offsets = [sum(map(len, texts[:i])) for i in range(len(texts))]
+        top = [{self.token_text(t): lp for t, lp in entry} or None for entry in state.input_top_logprobs]
+        return {"tokens": texts + output["tokens"], "token_logprobs": list(state.input_logprobs) + output["token_logprobs"],
+                "top_logprobs": top + output["top_logprobs"], "text_offset": offsets + output["text_offset"]}
 
     async def completions(self, request: Request) -> Response:
         body = await read_body(request, CompletionRequest, self.context)
@@ -157,68 +188,70 @@ class OpenAIRoutes:
         if body.suffix:
             raise APIError("suffix is not supported", param="suffix")
         logprobs = body.logprobs or 0
-        echo = bool(body.echo)
         prompts, ids = self._completion_prompts(body)
         check_choices(len(prompts), body.n)
-        params = sampling_params(body, bool(logprobs), logprobs)
-        created, rid = int(time.time()), f"cmpl-{uuid.uuid4().hex}"
-        frontend = self.context.frontend
-        if body.stream:
-            if len(prompts) > 1 or params.get("n", 1) > 1:
-                raise APIError("streaming takes one prompt with n = 1", param="stream")
-            states = await frontend.stream(prompts[0], ids[0], params, interval=self.context.args.stream_interval,
-                                           labels=self.context.labels(request))
-            return self._stream(body, states, rid, created, "text_completion", lambda state, text, first: {
-                "index": 0, "text": text, "logprobs": None, "finish_reason": state.finish_reason})
-        groups = await until_done(request, frontend.generate(prompts, ids, [params] * len(prompts),
-                                                             labels=self.context.labels(request)))
-        choices = []
-        for prompt, group in zip(prompts, groups):
-            for state in group:
-                checked(state)
-                prefix = (prompt if prompt is not None else self._tokenizer().decode(state.prompt_ids)) if echo else ""
-                choices.append({"index": len(choices), "text": prefix + state.text, "finish_reason": state.finish_reason,
-                                "logprobs": self._completion_logprobs(state, len(prefix)) if logprobs else None})
-        response = {"id": rid, "object": "text_completion", "created": created, "model": self.context.model_name,
-                    "choices": choices, "usage": usage(groups)}
-        self.context.log.response("/v1/completions", {"id": rid, "text": [c["text"] for c in choices],
-                                                      "usage": response["usage"]})
-        return JSONResponse(response)
+        params = sampling_params(body, body.logprobs is not None, logprobs)
+        if body.echo and body.logprobs is not None:   # OpenAI's legacy API: the prompt's log-probabilities too
+            params["logprob_start_len"] = 0
+        groups = await self.context.frontend.submit(prompts, ids, [params] * len(prompts),
+                                                    labels=self.context.labels(request))
+        prompt_of = [prompt for prompt, group in zip(prompts, groups) for _ in group]
+        offsets: dict[int, int] = {}
+
+        def choice(index: int, state: RequestState, step: Step) -> dict[str, Any]:
+            prefix = ""
+            if step.first and body.echo:
+                prompt = prompt_of[index]
+                prefix = prompt if prompt is not None else self._tokenizer().decode(state.prompt_ids)
+            piece: dict[str, Any] = {"index": index, "text": prefix + step.text, "logprobs": None,
+                                     "finish_reason": state.finish_reason if step.ending else None,
+                                     "matched_stop": state.matched_stop if step.ending else None}
+            if body.logprobs is not None:
+                logprobs, offsets[index] = self._completion_logprobs(state, step.tokens,
+                                                                     offsets.get(index, len(prefix)))
+                piece["logprobs"] = self._prompt_logprobs(state, logprobs) if step.first and body.echo else logprobs
+            return piece
+
+        return await self._respond(request, body, groups, "completion", choice)
 
     # ---- /v1/chat/completions ------------------------------------------------------------------
 
     def render_chat(self, body: ChatCompletionRequest, tools: ToolCalling | None = None) -> str:
-        """The prompt the chat template makes of the messages (and tools)."""
-        normalized = []
-        for message in body.messages:
-            fields = message.model_dump(exclude_unset=True)
-            content = message.content
-            if isinstance(content, list):
-                content = "".join(part.text for part in content)
-            normalized.append(history_message({**fields, "content": content or ""}, self.context.tool_parser,
-                                              self.template_source))
+        """The prompt the chat template makes of the messages (and tools). With
+        continue_final_message, a last assistant message is the start of the answer."""
+        messages = list(body.messages)
+        prefill = ""
+        if body.continue_final_message:
+            if messages[-1].role != "assistant":
+                raise APIError("continue_final_message needs the last message to be the assistant's",
+                               param="continue_final_message")
+            prefill = _text_of(messages.pop().content)
+        normalized = [history_message({**message.model_dump(exclude_unset=True), "content": _text_of(message.content)},
+                                      self.context.tool_parser, self.template_source) for message in messages]
         kwargs = {}
         if tools is not None:
             normalized = tools.announce(normalized, self.template_source)
             kwargs = tools.template_kwargs(self.template_source)
+        add_generation_prompt = body.add_generation_prompt is not False or bool(prefill)
         try:
-            return self._tokenizer().apply_chat_template(normalized, chat_template=self.chat_template, tokenize=False,
-                                                         add_generation_prompt=True, **kwargs)
+            prompt = self._tokenizer().apply_chat_template(normalized, chat_template=self.chat_template, tokenize=False,
+                                                           add_generation_prompt=add_generation_prompt, **kwargs)
         except TemplateError as exc:   # the template's raise_exception: messages it does not take
             raise APIError(f"the chat template refused the messages: {exc}", param="messages") from None
+        return prompt + prefill
 
     @property
     def template_source(self) -> str:
         return self.chat_template or getattr(self._tokenizer(), "chat_template", None) or ""
 
-    def _chat_logprobs(self, state: RequestState) -> dict[str, Any]:
+    def _chat_logprobs(self, state: RequestState, tokens: range) -> dict[str, Any]:
         def entry(token: int, logprob: float) -> dict[str, Any]:
             text = self.token_text(token)
             return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
-        return {"content": [{**entry(t, lp), "top_logprobs": [entry(i, v) for i, v in top]}
-                            for t, lp, top in zip(state.output_ids, state.logprobs,
-                                                  state.top_logprobs or [[]] * len(state.output_ids))]}
+        return {"content": [{**entry(state.output_ids[i], state.logprobs[i]),
+                             "top_logprobs": [entry(t, v) for t, v in state.top_logprobs[i]] if state.top_logprobs else []}
+                            for i in tokens]}
 
     async def chat_completions(self, request: Request) -> Response:
         body = await read_body(request, ChatCompletionRequest, self.context)
@@ -228,69 +261,69 @@ class OpenAIRoutes:
         tools = ToolCalling.from_request(body.tools, body.tool_choice, self.context.tool_parser)
         # Rendering a long conversation takes a while: off the event loop.
         prompt = await self.context.frontend.off_loop(self.render_chat, body, tools)
-        want_logprobs = bool(body.logprobs)
-        params = sampling_params(body, want_logprobs, body.top_logprobs or 0)
+        params = sampling_params(body, bool(body.logprobs), body.top_logprobs or 0)
         tool_schema = tools.json_schema() if tools is not None else None
         if tool_schema is not None:
             if any(kind in params for kind in GRAMMAR_KINDS):
                 raise APIError("a required or named tool_choice cannot be combined with response_format, json_schema, "
                                "regex or ebnf", param="tool_choice")
             params["json_schema"] = json.dumps(tool_schema)
-        created, rid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
-        frontend = self.context.frontend
-        if body.stream:
-            if params.get("n", 1) > 1:
-                raise APIError("streaming takes n = 1", param="stream")
-            states = await frontend.stream(prompt, None, params, interval=self.context.args.stream_interval,
-                                           labels=self.context.labels(request))
-            return self._stream(body, states, rid, created, "chat.completion.chunk", self._chat_chunk(tools))
-        [group] = await until_done(request, frontend.generate([prompt], [None], [params],
-                                                              labels=self.context.labels(request)))
-        choices = []
-        for i, state in enumerate(group):
-            message, called = ((tools.message(checked(state).text) if tools is not None
-                               else ({"role": "assistant", "content": checked(state).text}, False)))
-            choices.append({"index": i, "message": message,
-                            "logprobs": self._chat_logprobs(state) if want_logprobs else None,
-                            "finish_reason": "tool_calls" if called and state.finish_reason == "stop" else state.finish_reason})
-        response = {"id": rid, "object": "chat.completion", "created": created, "model": self.context.model_name,
-                    "choices": choices, "usage": usage([group])}
-        self.context.log.response("/v1/chat/completions", {"id": rid, "messages": [c["message"] for c in choices],
-                                                           "usage": response["usage"]})
-        return JSONResponse(response)
+        groups = await self.context.frontend.submit([prompt], [None], [params], labels=self.context.labels(request))
+        streams: dict[int, ToolCallStream] = {}
+        calling: dict[int, ToolCalling] = {}
 
-    @staticmethod
-    def _chat_chunk(tools: ToolCalling | None) -> Callable[[RequestState, str, bool], dict[str, Any] | None]:
-        """The choice of each streamed chunk: content deltas, and with tools, tool-call deltas."""
-        stream = tools.stream() if tools is not None else None
-
-        def choice(state: RequestState, text: str, first: bool) -> dict[str, Any] | None:
-            delta: dict[str, Any] = {"role": "assistant"} if first else {}
-            finish = state.finish_reason
-            if stream is None:
-                delta["content"] = text
+        def choice(index: int, state: RequestState, step: Step) -> dict[str, Any] | None:
+            delta: dict[str, Any] = {"role": "assistant"} if step.first else {}
+            finish = state.finish_reason if step.ending else None
+            if tools is None:
+                delta["content"] = step.text
             else:
-                content, deltas = stream.feed(text)
-                if finish is not None:
+                own = calling.setdefault(index, tools.for_choice())
+                stream = streams.setdefault(index, own.stream())
+                content, deltas = stream.feed(step.text)
+                if step.ending:
                     content += stream.finish()
                 if content:
                     delta["content"] = content
                 if deltas:
-                    delta["tool_calls"] = tools.delta_objects(deltas)
+                    delta["tool_calls"] = own.delta_objects(deltas)
                 if stream.calls and finish == "stop":
                     finish = "tool_calls"
-                if not delta and finish is None:
-                    return None
-            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            if body.stream and not step.first and not delta and finish is None and not step.tokens:
+                return None
+            return {"index": index, "delta": delta,
+                    "logprobs": self._chat_logprobs(state, step.tokens) if body.logprobs else None,
+                    "finish_reason": finish, "matched_stop": state.matched_stop if step.ending else None}
 
-        return choice
+        def final(piece: dict[str, Any]) -> dict[str, Any]:
+            """The whole output's piece as a message: its text, and with tools the calls read from it."""
+            index, content = piece["index"], piece.pop("delta").get("content", "")
+            message: dict[str, Any] = {"role": "assistant", "content": content}
+            if tools is not None:
+                message["content"] = content.strip() or None
+                calls = calling[index].tool_calls(streams[index])
+                if calls:
+                    message["tool_calls"] = calls
+            return {"index": index, "message": message, **{k: v for k, v in piece.items() if k != "index"}}
+
+        return await self._respond(request, body, groups, "chat", choice, final)
+
+
+def _text_of(content: str | list[TextPart] | None) -> str:
+    """A message's content as text (its text parts joined)."""
+    if isinstance(content, list):
+        return "".join(part.text for part in content)
+    return content or ""
 
 
 def openai_routes(context: ServerContext) -> list[Route]:
+    from srv.server.responses_routes import responses_routes
+
     routes = OpenAIRoutes(context)
     return [
         Route("/v1/models", routes.models, methods=["GET"]),
         Route("/v1/models/{model:path}", routes.model, methods=["GET"]),
         Route("/v1/completions", routes.completions, methods=["POST"]),
         Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),
+        *responses_routes(context, routes),
     ]

@@ -13,6 +13,7 @@ from starlette.routing import Route
 
 from srv.server import protocol
 from srv.server.app import APIKeyMiddleware, ServerContext
+from srv.server.responses_routes import ResponseObject, ResponsesRequest
 
 # path -> (request body, response body, whether it can stream server-sent events)
 BODIES: dict[str, tuple[type[BaseModel] | None, type[BaseModel] | None, bool]] = {
@@ -20,6 +21,8 @@ BODIES: dict[str, tuple[type[BaseModel] | None, type[BaseModel] | None, bool]] =
     "/v1/chat/completions": (protocol.ChatCompletionRequest, protocol.ChatCompletionResponse, True),
     "/generate": (protocol.GenerateRequest, protocol.GenerateResult, True),
     "/abort_request": (protocol.AbortRequestBody, None, False),
+    "/v1/responses": (ResponsesRequest, ResponseObject, True),
+    "/v1/responses/{response_id}": (None, ResponseObject, False),
     "/v1/models": (None, protocol.ModelList, False),
     "/v1/models/{model}": (None, protocol.ModelCard, False),
 }
@@ -27,7 +30,8 @@ BODIES: dict[str, tuple[type[BaseModel] | None, type[BaseModel] | None, bool]] =
 TEXT_ROUTES = {"/metrics", "/flush_cache"}
 SUMMARIES = {
     "/v1/completions": "OpenAI's legacy completions", "/v1/chat/completions": "OpenAI's chat completions",
-    "/v1/models": "the served model", "/v1/models/{model}": "one model", "/generate": "SGLang's native generation",
+    "/v1/models": "the served model", "/v1/models/{model}": "one model",
+    "/v1/responses": "OpenAI's Responses API", "/v1/responses/{response_id}": "a stored response", "/generate": "SGLang's native generation",
     "/health": "200 while the scheduler runs", "/health_generate": "200 once the scheduler makes a token",
     "/get_model_info": "the model's path and shapes", "/get_server_info": "launch arguments and scheduler counters",
     "/flush_cache": "empty the prefix cache (when idle)", "/abort_request": "abort a request by rid",
@@ -53,7 +57,9 @@ def openapi_document(routes: list[Route], context: ServerContext) -> dict[str, A
         for method in sorted(m for m in (route.methods or ()) if m != "HEAD"):
             success: dict[str, Any] = {"description": "success"}
             content: dict[str, Any] = {}
-            if response is not None:
+            if method == "DELETE":
+                content["application/json"] = {"schema": {"type": "object"}}
+            elif response is not None:
                 body = _ref(response)
                 if path == "/generate":   # a batch answers a list of results
                     body = {"anyOf": [body, {"type": "array", "items": body}]}
@@ -72,6 +78,9 @@ def openapi_document(routes: list[Route], context: ServerContext) -> dict[str, A
             if "{model}" in path:
                 operation["parameters"] = [{"name": "model", "in": "path", "required": True,
                                             "schema": {"type": "string", "enum": [context.model_name]}}]
+            if "{response_id}" in path:
+                operation["parameters"] = [{"name": "response_id", "in": "path", "required": True,
+                                            "schema": {"type": "string"}}]
             if request is not None:
                 operation["requestBody"] = {"required": True, "content": {"application/json": {
                     "schema": _ref(request)}}}

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from srv.engine.params import (LogitBias, MinP, N, NonEmptyStr, RepetitionPenalty, SamplingParamsInput, Seed, Stop,
-                               StrictInput, Temperature, TokenCount, TokenId, TopK, TopLogprobs, TopP)
+                               StopRegex, StrictInput, Temperature, TokenCount, TokenId, TopK, TopLogprobs, TopP)
 
 # OpenAI's bound for the completions route's logprobs (its chat route's is TopLogprobs).
 MAX_COMPLETION_LOGPROBS = 5
@@ -59,6 +59,8 @@ class SamplingFields(StrictInput):
     logit_bias: LogitBias | None = None
     stop: Stop | None = None
     stop_token_ids: list[TokenId] | None = None
+    stop_regex: StopRegex | None = None
+    no_stop_trim: bool | None = None
     min_tokens: TokenCount | None = None
     ignore_eos: bool | None = None
     n: N | None = None
@@ -141,6 +143,9 @@ class ChatCompletionRequest(SamplingFields):
     tools: Annotated[list[Tool], Field(min_length=1)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # SGLang's and vLLM's: the last assistant message is the start of the answer.
+    continue_final_message: bool | None = None
+    add_generation_prompt: bool | None = None
 
 
 class GenerateRequest(StrictInput):
@@ -152,6 +157,8 @@ class GenerateRequest(StrictInput):
         | None = None
     return_logprob: bool | None = None
     top_logprobs_num: TopLogprobs | None = None
+    logprob_start_len: Annotated[int, Field(ge=-1)] | None = None
+    return_text_in_logprobs: bool | None = None
     stream: bool | None = None
     rid: str | None = None
     priority: Priority | None = None
@@ -175,8 +182,8 @@ class Usage(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 
@@ -185,6 +192,7 @@ class CompletionChoice(BaseModel):
     text: str
     finish_reason: str | None
     logprobs: CompletionLogprobs | None
+    matched_stop: int | str | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -224,6 +232,7 @@ class ChatChoice(BaseModel):
     message: AssistantMessage
     logprobs: ChatLogprobs | None
     finish_reason: str | None
+    matched_stop: int | str | None = None
 
 
 class ChatCompletionResponse(BaseModel):

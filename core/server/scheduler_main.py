@@ -103,8 +103,21 @@ def run_scheduler_process(args: Namespace, sockets: SchedulerSockets) -> None:
     }))
     # Only now: importing transformers beside the weights' loading slowed that by half.
     scheduler.start_loading_tokenizer()
-    loop = SchedulerLoop(scheduler)
-    watchdog = Watchdog(args.watchdog_timeout)
+    try:
+        _serve(SchedulerLoop(scheduler), Watchdog(args.watchdog_timeout), requests, outputs)
+    except BaseException:
+        # A fault the loop does not absorb (--crash-on-nan's, or one in its failure handling)
+        # ends the process at once: a normal interpreter exit would wait forever on the ZMQ
+        # context, leaving the server to wait on a scheduler that is gone.
+        logger.exception("the scheduler failed; exiting")
+        os._exit(1)
+    for socket in (requests, outputs):
+        socket.close(linger=0)
+    context.term()
+
+
+def _serve(loop: Any, watchdog: "Watchdog", requests: zmq.Socket, outputs: zmq.Socket) -> None:
+    """Serve the requests that arrive, until told to stop."""
     poller = zmq.Poller()
     poller.register(requests, zmq.POLLIN)
     while True:

@@ -184,7 +184,8 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """forward(batch) returns float32 logits [B, vocab] of each request's last new token."""
+    """forward(batch) returns float32 logits [rows, vocab] of the rows `batch.logits_rows()` names
+    (each request's last new token, unless the scheduler asks for more)."""
 
     # HF checkpoint names of the projections srv stores fused: (fused name, shard index).
     FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -222,8 +223,8 @@ class LlamaForCausalLM(nn.Module):
         if residual is None:
             for layer in self.layers:
                 x, residual = layer(x, residual, rotary, batch)
-        last = batch.last_token_indices()
-        x, _ = self.norm(x[last], residual[last])
+        rows = batch.logits_rows()
+        x, _ = self.norm(x[rows], residual[rows])
         return self.lm_head(x).float()
 
     def _decode_natively(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor],

@@ -77,7 +77,7 @@ def register_attention() -> None:
 class TransformersModel(nn.Module):
     """A transformers causal LM whose attention runs on srv's KV cache.
 
-    forward(batch) returns float32 logits [B, vocab] of each request's last new token;
+    forward(batch) returns float32 logits [rows, vocab] of the rows batch.logits_rows() names;
     load_weights(named_tensors) takes the checkpoint's (Hugging Face) names.
     """
 
@@ -97,14 +97,14 @@ class TransformersModel(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         batch.attention.prepare(batch)
-        last = batch.last_token_indices()
-        kwargs = {"logits_to_keep": last} if self._logits_to_keep else {}
+        rows = batch.logits_rows()
+        kwargs = {"logits_to_keep": rows} if self._logits_to_keep else {}
         # The full causal-LM forward, so that each model's own head logic (logit scaling,
-        # final softcapping) applies; logits_to_keep runs the head on the last tokens only.
+        # final softcapping) applies; logits_to_keep runs the head on the asked rows only.
         out = self.hf(input_ids=batch.input_ids[None], position_ids=batch.positions[None], use_cache=False,
                       **kwargs, **{BATCH_KWARG: batch})
         logits = out.logits[0]
-        return (logits if self._logits_to_keep else logits[last]).float()
+        return (logits if self._logits_to_keep else logits[rows]).float()
 
     # ---- weights ------------------------------------------------------------------------------
 
