@@ -60,13 +60,9 @@ class StrictInput(BaseModel):
     model_config = ConfigDict(strict=True, allow_inf_nan=False, populate_by_name=True)
 
 
-class SamplingParamsInput(StrictInput):
-    """`sampling_params` of SGLang's `/generate` (and of `srv.Engine.generate`)."""
+class SharedSamplingFields(StrictInput):
+    """The sampling parameters that /generate and the OpenAI routes name alike."""
 
-    model_config = ConfigDict(extra="forbid")
-
-    max_new_tokens: TokenCount | None = None
-    min_new_tokens: TokenCount | None = None
     temperature: Temperature | None = None
     top_p: TopP | None = None
     top_k: TopK | None = None
@@ -82,12 +78,22 @@ class SamplingParamsInput(StrictInput):
     no_stop_trim: bool | None = None
     ignore_eos: bool | None = None
     n: N | None = None
-    logprobs: bool | None = None
-    top_logprobs: TopLogprobs | None = None
-    logprob_start_len: Annotated[int, Field(ge=-1)] | None = None
+    # Constrained decoding: SGLang's (OpenAI's own is response_format).
     json_schema: str | dict[str, Any] | None = None
     regex: str | None = None
     ebnf: str | None = None
+
+
+class SamplingParamsInput(SharedSamplingFields):
+    """`sampling_params` of SGLang's `/generate` (and of `srv.Engine.generate`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_new_tokens: TokenCount | None = None
+    min_new_tokens: TokenCount | None = None
+    logprobs: bool | None = None
+    top_logprobs: TopLogprobs | None = None
+    logprob_start_len: Annotated[int, Field(ge=-1)] | None = None
 
 
 def validation_error(exc: ValidationError) -> InvalidRequest:

@@ -13,6 +13,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from srv.engine.params import SharedSamplingFields
 from srv.engine.request_state import RequestState
 from srv.sdk.grammar import ANY_JSON_OBJECT, GRAMMAR_KINDS
 from srv.sdk.tools import ToolCallStream
@@ -21,14 +22,9 @@ from srv.server.app import (APIError, ServerContext, Step, check_choices, checke
 from srv.server.chat_tools import ToolCalling, history_message
 from srv.server.protocol import ChatCompletionRequest, CompletionRequest, ResponseFormat, SamplingFields, TextPart
 
-# OpenAI request fields (and SGLang's extra ones) and the srv sampling parameter each sets.
-SAMPLING_FIELDS = {
-    "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-    "repetition_penalty": "repetition_penalty", "frequency_penalty": "frequency_penalty",
-    "presence_penalty": "presence_penalty", "seed": "seed", "logit_bias": "logit_bias", "stop": "stop",
-    "stop_token_ids": "stop_token_ids", "min_tokens": "min_new_tokens", "ignore_eos": "ignore_eos", "n": "n",
-    "json_schema": "json_schema", "regex": "regex", "ebnf": "ebnf",
-}
+# OpenAI's request fields (and SGLang's extra ones) that set a sampling parameter: the ones
+# /generate names alike, and min_tokens.
+SAMPLING_FIELDS = {**{name: name for name in SharedSamplingFields.model_fields}, "min_tokens": "min_new_tokens"}
 
 
 def response_format_schema(response_format: ResponseFormat | None) -> str | None:

@@ -13,8 +13,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from srv.engine.params import (LogitBias, MinP, N, NonEmptyStr, RepetitionPenalty, SamplingParamsInput, Seed, Stop,
-                               StopRegex, StrictInput, Temperature, TokenCount, TokenId, TopK, TopLogprobs, TopP)
+from srv.engine.params import (NonEmptyStr, SamplingParamsInput, SharedSamplingFields, StrictInput, TokenCount,
+                               TokenId, TopLogprobs)
 
 # OpenAI's bound for the completions route's logprobs (its chat route's is TopLogprobs).
 MAX_COMPLETION_LOGPROBS = 5
@@ -43,31 +43,12 @@ class ResponseFormat(StrictInput):
     json_schema: JsonSchemaFormat | None = None
 
 
-class SamplingFields(StrictInput):
+class SamplingFields(SharedSamplingFields):
     """The sampling fields the OpenAI routes share (OpenAI's, and SGLang's extra ones)."""
 
     max_tokens: TokenCount | None = None
     max_completion_tokens: TokenCount | None = None
-    temperature: Temperature | None = None
-    top_p: TopP | None = None
-    top_k: TopK | None = None
-    min_p: MinP | None = None
-    repetition_penalty: RepetitionPenalty | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    seed: Seed | None = None
-    logit_bias: LogitBias | None = None
-    stop: Stop | None = None
-    stop_token_ids: list[TokenId] | None = None
-    stop_regex: StopRegex | None = None
-    no_stop_trim: bool | None = None
     min_tokens: TokenCount | None = None
-    ignore_eos: bool | None = None
-    n: N | None = None
-    # SGLang's constrained decoding (OpenAI's own is response_format).
-    json_schema: str | dict[str, Any] | None = None
-    regex: str | None = None
-    ebnf: str | None = None
     response_format: ResponseFormat | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
