@@ -72,4 +72,8 @@ class RequestState:
         if self.params.logprobs or self.params.top_logprobs:
             meta["output_token_logprobs"] = list(zip(self.logprobs, self.output_ids))
             meta["output_top_logprobs"] = list(self.top_logprobs)
+        if self.params.logprob_start_len >= 0:
+            start = min(self.params.logprob_start_len, len(self.prompt_ids))
+            meta["input_token_logprobs"] = list(zip(self.input_logprobs, self.prompt_ids[start:]))
+            meta["input_top_logprobs"] = list(self.input_top_logprobs)
         return {"text": self.text, "output_ids": list(self.output_ids), "meta_info": meta}

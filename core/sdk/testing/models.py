@@ -230,3 +230,17 @@ class ModelImplKit(_EngineChecks):
         self.assert_greedy_matches(srv_kit_engine, srv_kit_reference, [shared + [5]])
         second = self.assert_greedy_matches(srv_kit_engine, srv_kit_reference, [shared + [6, 7, 8], shared[:20]])
         assert second[0]["meta_info"]["cached_tokens"] > 0, "the second request found no cached prefix"
+
+    def test_prompt_logprobs_match_transformers(self, srv_kit_engine: Any, srv_kit_reference: Any) -> None:
+        """The model returns the logits of the rows `ForwardBatch.logits_rows()` names: a
+        prompt's log-probabilities (logprob_start_len, prefill chunks of 16) are transformers'."""
+        [prompt] = random_prompts([37], srv_kit_reference.config.vocab_size, seed=4)
+        result = srv_kit_engine.generate(input_ids=prompt, sampling_params={
+            "max_new_tokens": 1, "temperature": 0, "logprobs": True, "logprob_start_len": 0})
+        got = result["meta_info"]["input_token_logprobs"]
+        assert [token for _, token in got] == prompt and got[0][0] is None, \
+            "one log-probability a prompt token, None for the first"
+        with torch.inference_mode():
+            logits = srv_kit_reference(torch.tensor([prompt])).logits[0].float()
+        expected = torch.log_softmax(logits, -1)[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+        torch.testing.assert_close(torch.tensor([lp for lp, _ in got[1:]]), expected, atol=1e-4, rtol=0)
