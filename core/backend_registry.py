@@ -9,6 +9,7 @@ from srv.sdk.hookspecs import FAMILIES, FAMILIES_BY_NAME
 from srv.sdk.registration import Registration
 
 AUTO = "auto"
+NONE = "none"   # for families a flag may leave without a backend (--quantization none)
 
 
 @dataclass(frozen=True)

@@ -81,6 +81,7 @@ class Storm:
         self.late: list[str] = []
         self.transport_errors: list[str] = []
         self.durations: list[float] = []
+        self.hostile_sent = 0    # each hostile body in turn, so that every one is sent
 
     async def json(self, client: httpx.AsyncClient, method: str, path: str, body: Any = None) -> Any:
         for attempt in range(3):   # the storm's own calls, outside what it measures
@@ -153,7 +154,8 @@ class Storm:
         label = ""
         try:
             if draw < 0.1:
-                method, path, body, extra = hostile[index % len(hostile)]
+                method, path, body, extra = hostile[self.hostile_sent % len(hostile)]
+                self.hostile_sent += 1
                 label = f"hostile {method} {path} {body[:60]!r}"
                 response = await client.request(method, self.base + path, content=body,
                                                 headers={"content-type": "application/json", **self.headers, **extra},

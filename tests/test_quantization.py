@@ -5,6 +5,9 @@ to the bf16 tolerance against HF in test_engine.)"""
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 import torch
 from torch import nn
@@ -12,6 +15,7 @@ from torch import nn
 import srv
 from srv.plugins.quantization.gguf import (DENSE_FROM_FLOAT32_ROWS, GGUFLinear, GGUFQuantization, Q4_1Weight,
                                            Q8_0Weight, q4_1_weight, q8_0_weight, quantized_weight)
+from test_engine import BF16_LOGPROB_TOLERANCE
 from test_sdk_testing import gguf_weight
 
 
@@ -80,8 +84,10 @@ def test_small_batches_run_the_kernels_and_large_ones_the_dense_copy(bias):
     assert calls == ["dense", "dense", "dense"]
 
 
-def test_default_model_serves_every_linear_layer_from_its_gguf_blocks():
-    with srv.Engine(quantization="gguf", dtype="float32") as engine:
+@pytest.mark.parametrize("flags", [{}, {"quantization": "gguf"}], ids=["inferred", "explicit"])
+def test_default_model_serves_every_linear_layer_from_its_gguf_blocks(flags):
+    """A GGUF file is served from its own blocks unless --quantization says otherwise."""
+    with srv.Engine(dtype="float32", **flags) as engine:
         layers = [m for m in engine.runner.model.modules() if isinstance(m, GGUFLinear)]
         config = engine.runner.config
         # Four projections per decoder layer (q/k/v and gate/up fused) and the vocabulary head.
@@ -91,52 +97,119 @@ def test_default_model_serves_every_linear_layer_from_its_gguf_blocks():
         assert result["meta_info"]["completion_tokens"] == 8
 
 
+PROMPTS = ("The capital of France is", "def fibonacci(n):", "Hi")
+
+
+def drive_decode_steps(engine, steps: int, tokens: list[torch.Tensor] | None = None,
+                       check=None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Prefill three ragged prompts, then `steps` decode steps of the three, driving the model
+    directly (its own argmax tokens, or `tokens`); `check(step, args, logits)` after each step.
+    Returns each step's tokens and logits."""
+    runner = engine.runner
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
+    base = runner.kv_cache.k_buffers[0].shape[0] - 512   # slots no request of the engine holds
+    slots = [torch.arange(base + 100 * i, base + 100 * (i + 1)) for i in range(len(prompts))]
+    for buffer in runner.kv_cache.k_buffers + runner.kv_cache.v_buffers:
+        buffer[base:base + 300] = float("nan")   # a read of a slot not written yet shows
+
+    def slot_table(lens: list[int]) -> torch.Tensor:
+        """Each row's slots, 0 past its length (never-written slots may hold NaNs)."""
+        table = torch.stack([s[:max(lens)] for s in slots])
+        for i, n in enumerate(lens):
+            table[i, n:] = 0
+        return table
+
+    lens = [len(p) for p in prompts]
+    logits = runner.forward(torch.tensor([t for p in prompts for t in p]), torch.cat([torch.arange(n) for n in lens]),
+                            torch.cat([s[:n] for s, n in zip(slots, lens)]), slot_table(lens), [0] * len(prompts), lens)
+    all_tokens, all_logits = [], []
+    for step in range(steps):
+        assert torch.isfinite(logits).all()
+        step_tokens = logits.argmax(-1) if tokens is None else tokens[step]
+        args = (step_tokens, torch.tensor(lens), torch.stack([s[n] for s, n in zip(slots, lens)]),
+                slot_table([n + 1 for n in lens]), lens, [1] * len(prompts))
+        logits = runner.forward(*args)
+        all_tokens.append(step_tokens)
+        all_logits.append(logits)
+        if check is not None:
+            check(step, args, logits)
+        lens = [n + 1 for n in lens]
+    return all_tokens, all_logits
+
+
+def count_native_steps(monkeypatch) -> list[bool]:
+    from srv.plugins.models.llama import LlamaForCausalLM
+
+    native_steps: list[bool] = []
+    decode_natively = LlamaForCausalLM._decode_natively
+
+    def counted(self, x, rotary, batch):
+        native = decode_natively(self, x, rotary, batch)
+        native_steps.append(native is not None)
+        return native
+
+    monkeypatch.setattr(LlamaForCausalLM, "_decode_natively", counted)
+    return native_steps
+
+
 def test_decode_layers_run_in_one_native_call_with_the_python_layers_results(monkeypatch):
     """In float32, a decode step's layers run in C (srv_decode_layers), calling the kernels the
     Python layers call, in the same order: the same logits to the bit, step after step, for a
     batch of ragged contexts (the model driven directly, so that both see the same batches)."""
     from srv.plugins.models.llama import LlamaForCausalLM
 
-    native_steps = []
-    decode_natively = LlamaForCausalLM._decode_natively
+    native_steps = count_native_steps(monkeypatch)
+    counted = LlamaForCausalLM._decode_natively
 
-    def counted(self, x, rotary, batch):
-        residual = decode_natively(self, x, rotary, batch)
-        native_steps.append(residual is not None)
-        return residual
+    def same_as_python(step, args, logits):
+        monkeypatch.setattr(LlamaForCausalLM, "_decode_natively", lambda self, x, rotary, batch: None)
+        assert torch.equal(engine.runner.forward(*args), logits), f"decode step {step}"
+        monkeypatch.setattr(LlamaForCausalLM, "_decode_natively", counted)
 
-    monkeypatch.setattr(LlamaForCausalLM, "_decode_natively", counted)
     with srv.Engine(quantization="gguf", dtype="float32") as engine:
-        runner = engine.runner
-        prompts = [engine.tokenizer.encode(p) for p in ("The capital of France is", "def fibonacci(n):", "Hi")]
-        base = runner.kv_cache.k_buffers[0].shape[0] - 512   # slots no request of the engine holds
-        slots = [torch.arange(base + 100 * i, base + 100 * (i + 1)) for i in range(len(prompts))]
-        for buffer in runner.kv_cache.k_buffers + runner.kv_cache.v_buffers:
-            buffer[base:base + 300] = float("nan")   # a read of a slot not written yet shows
-
-        def slot_table(lens: list[int]) -> torch.Tensor:
-            """Each row's slots, 0 past its length (never-written slots may hold NaNs)."""
-            table = torch.stack([s[:max(lens)] for s in slots])
-            for i, n in enumerate(lens):
-                table[i, n:] = 0
-            return table
-
-        lens = [len(p) for p in prompts]
-        logits = runner.forward(torch.tensor([t for p in prompts for t in p]),
-                                torch.cat([torch.arange(n) for n in lens]),
-                                torch.cat([s[:n] for s, n in zip(slots, lens)]), slot_table(lens),
-                                [0] * len(prompts), lens)
-        for step in range(4):
-            assert torch.isfinite(logits).all()
-            tokens = logits.argmax(-1)
-            args = (tokens, torch.tensor(lens), torch.stack([s[n] for s, n in zip(slots, lens)]),
-                    slot_table([n + 1 for n in lens]), lens, [1] * len(prompts))
-            logits = runner.forward(*args)
-            monkeypatch.setattr(LlamaForCausalLM, "_decode_natively", lambda self, x, rotary, batch: None)
-            assert torch.equal(runner.forward(*args), logits), f"decode step {step}"
-            monkeypatch.setattr(LlamaForCausalLM, "_decode_natively", counted)
-            lens = [n + 1 for n in lens]
+        drive_decode_steps(engine, 4, check=same_as_python)
     assert native_steps == [False] + [True] * 4, "the decode steps did not run natively"
+
+
+def test_a_bf16_model_decodes_small_batches_natively_in_float32(monkeypatch):
+    """Served in bf16, a GGUF file's small decode steps run the native layers in float32 on the
+    bf16 KV cache: their log-probabilities are no further from the float32 model's than those
+    of the Python layers' bf16 arithmetic (nor than bf16's tolerance)."""
+    from srv.plugins.models.llama import LlamaForCausalLM
+
+    def gaps(reference: list[torch.Tensor], logits: list[torch.Tensor]) -> list[float]:
+        """Per step, the largest log-probability difference on the reference's top 5."""
+        return [float((torch.log_softmax(want, -1) - torch.log_softmax(got, -1)).gather(1, want.topk(5, -1).indices)
+                      .abs().max()) for want, got in zip(reference, logits)]
+
+    with srv.Engine(dtype="float32") as engine:
+        tokens, reference = drive_decode_steps(engine, 6)
+    with srv.Engine(dtype="bfloat16") as engine:
+        assert engine.runner.dtype == torch.bfloat16
+        native_steps = count_native_steps(monkeypatch)
+        _, native = drive_decode_steps(engine, 6, tokens)
+        monkeypatch.setattr(LlamaForCausalLM, "_decode_natively", lambda self, x, rotary, batch: None)
+        _, python = drive_decode_steps(engine, 6, tokens)
+    assert native_steps == [False] + [True] * 6, "the bf16 model's decode steps did not run natively"
+    assert max(gaps(reference, native)) <= max(max(gaps(reference, python)), BF16_LOGPROB_TOLERANCE)
+
+
+def test_quantization_none_serves_a_gguf_file_dequantized():
+    with srv.Engine(quantization="none", dtype="float32") as engine:
+        assert not [m for m in engine.runner.model.modules() if isinstance(m, GGUFLinear)]
+
+
+def test_a_config_that_declares_its_quantization_gets_that_method(tiny_models, tmp_path, caplog):
+    declared = tmp_path / "declared"
+    shutil.copytree(tiny_models["llama"], declared)
+    config = json.loads((declared / "config.json").read_text())
+    (declared / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "gguf"}}))
+    with pytest.raises(ValueError, match="--quantization gguf serves a .gguf file"):
+        srv.Engine(model_path=str(declared))
+    (declared / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "unheard_of"}}))
+    with caplog.at_level("WARNING"), srv.Engine(model_path=str(declared), dtype="float32") as engine:
+        assert engine.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 2})["output_ids"]
+    assert "declares quantization 'unheard_of', which no installed plugin provides" in caplog.text
 
 
 def test_gguf_quantization_refuses_a_model_that_is_not_gguf(tiny_models):

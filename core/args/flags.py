@@ -18,7 +18,8 @@ class FlagSpec:
 
     type: str, int, float, json (a JSON document) or bool (a switch, set means true).
     family: for a flag that chooses a backend, the plugin family its names come from;
-        `auto` adds the name "auto", meaning: let srv pick the best available backend.
+        `auto` adds the name "auto", meaning: let srv pick the best available backend;
+        `none` adds the name "none", meaning: no backend of the family.
     srv: a flag srv adds to SGLang's set.
     """
 
@@ -31,6 +32,7 @@ class FlagSpec:
     choices: tuple[Any, ...] | None = None
     family: str | None = None
     auto: bool = False
+    none: bool = False
     deprecated: bool = False
     srv: bool = False
 

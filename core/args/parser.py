@@ -12,7 +12,7 @@ import yaml
 
 from srv.args.flags import FlagSpec, load_flag_specs
 from srv.args.unsupported import NOT_SUPPORTED_YET
-from srv.backend_registry import AUTO, BackendError, BackendRegistry
+from srv.backend_registry import AUTO, NONE, BackendError, BackendRegistry
 from srv.plugin_manager import PluginManager
 
 
@@ -37,7 +37,8 @@ class BackendName:
         self.__name__ = f"{spec.family} backend"
 
     def names(self) -> list[str]:
-        return ([AUTO] if self.spec.auto else []) + self.registry.names(self.spec.family or "")
+        return ([AUTO] if self.spec.auto else []) + ([NONE] if self.spec.none else []) \
+            + self.registry.names(self.spec.family or "")
 
     def __call__(self, value: str) -> str:
         if value == self.spec.default or value in self.names():
@@ -149,7 +150,7 @@ def check_launch_args(args: argparse.Namespace, parser: LaunchArgumentParser) ->
         value = getattr(args, spec.dest)
         if spec.deprecated and value:
             parser.error(f"{spec.name}: {spec.help}")
-        if spec.family and value not in (None, AUTO, spec.default):
+        if spec.family and value not in (None, AUTO, spec.default) and not (spec.none and value == NONE):
             try:
                 parser.registry.choose(spec.family, value)
             except BackendError as exc:

@@ -12,10 +12,11 @@ from typing import Any, Callable
 
 import torch
 
-from srv.backend_registry import AUTO, BackendRegistry, BackendUnavailable
+from srv.backend_registry import AUTO, NONE, BackendRegistry, BackendUnavailable
 from srv.engine.default_model import default_model_path
 from srv.sdk.attention import AttentionBackend, ForwardBatch, KVCache
 from srv.sdk.models import ModelConfig, ModelImpl, ModelLoader, materialize
+from srv.sdk.quantization import QuantizationMethod
 
 logger = logging.getLogger("srv.engine")
 
@@ -49,8 +50,8 @@ class ModelRunner:
         self.config = self._load_config()
         impl, self.model = self._build_model()
         loader.load(self.model, self.model_dir)
-        if args.quantization:
-            method = registry.choose("quantization", args.quantization).create(args)
+        method = self._quantization(path)
+        if method is not None:
             method.check(str(path))
             method.apply(self.model)
         self.model.to(self.dtype).eval()
@@ -80,6 +81,31 @@ class ModelRunner:
                     return loader
         names = ", ".join(self.registry.names("load_format"))
         raise BackendUnavailable(f"no --load-format recognises {path} (installed: {names})")
+
+    def _quantization(self, path: Path) -> QuantizationMethod | None:
+        """--quantization's method; unset, the one the checkpoint is in (the method its config
+        names in quantization_config, or one that detects its format, a GGUF file's blocks), so
+        a quantized checkpoint is served as it is; "none": the dequantized weights."""
+        name = self.args.quantization
+        if name == NONE:
+            return None
+        if name:
+            return self.registry.choose("quantization", name).create(self.args)
+        declared = (getattr(self.config, "quantization_config", None) or {}).get("quant_method")
+        if declared:
+            if declared not in self.registry.names("quantization"):
+                logger.warning("the checkpoint declares quantization %r, which no installed plugin provides", declared)
+                return None
+            logger.info("quantization %s, as the checkpoint's config declares", declared)
+            return self.registry.choose("quantization", declared).create(self.args)
+        for registration in sorted(self.registry.registrations("quantization"), key=lambda r: -r.priority):
+            if registration.availability().ok:
+                method = registration.create(self.args)
+                if method.detects(str(path)):
+                    logger.info("quantization %s: the checkpoint's own format (--quantization none dequantizes it)",
+                                registration.name)
+                    return method
+        return None
 
     def _load_config(self) -> ModelConfig:
         return ModelConfig.read(self.model_dir, json.loads(self.args.json_model_override_args or "{}"))

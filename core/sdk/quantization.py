@@ -31,6 +31,12 @@ class QuantizationMethod(ABC):
     def check(self, model_path: str) -> None:
         """Raise ValueError if this method cannot serve the model at `model_path` (optional)."""
 
+    def detects(self, model_path: str) -> bool:
+        """Whether the checkpoint at `model_path` is in this method's format, so that srv serves
+        it this way when `--quantization` is unset (a checkpoint whose config.json names its
+        method in quantization_config gets that method without asking). Optional."""
+        return False
+
     @abstractmethod
     def quantize(self, name: str, linear: nn.Linear) -> nn.Module | None:
         """The module that replaces `linear` (named `name` in the model), or None to keep it."""

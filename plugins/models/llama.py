@@ -7,6 +7,7 @@ query/key/value projection, Qwen3 normalises queries and keys per head before ro
 from __future__ import annotations
 
 import ctypes
+import os
 import functools
 import logging
 from pathlib import Path
@@ -22,6 +23,11 @@ from srv.sdk.native import NativeBuildError, NativeKernel, load_c_library
 logger = logging.getLogger("srv.models")
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
+# A model served in bf16 or fp16 runs decode steps of fewer rows than this in float32 through the
+# native layers when they have kernels (a GGUF file's blocks): those steps are bound by the bytes
+# the products read, and the C layers skip the Python calls. Larger steps are bound by arithmetic,
+# where the served dtype's dense products (AMX) are faster. See BENCHMARKS.md.
+FLOAT32_DECODE_ROWS = int(os.environ.get("SRV_FLOAT32_DECODE_ROWS", "12"))
 
 
 @functools.cache
@@ -213,19 +219,33 @@ class LlamaForCausalLM(nn.Module):
         # They hold the addresses of the weights, which must not be replaced after the first decode
         # step (srv never does; the loader and the quantization run before it).
         self.native_layers: dict[int, ctypes.Array | None] = {}
+        self.float32_norms: dict[int, RMSNorm] = {}
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         x = self.embed_tokens(batch.input_ids)
         rotary = self.rotary(batch.positions)
         batch.attention.prepare(batch)
-        residual = self._decode_natively(x, rotary, batch)
-        if residual is None:
+        native = self._decode_natively(x, rotary, batch)
+        if native is None:
+            residual = None
             for layer in self.layers:
                 x, residual = layer(x, residual, rotary, batch)
+        else:
+            x, residual = native
         rows = batch.logits_rows()
-        x, _ = self.norm(x[rows], residual[rows])
+        norm = self.norm if x.dtype == self.norm.weight.dtype else self._float32_copy(self.norm)
+        x, _ = norm(x[rows], residual[rows])
         return self.lm_head(x).float()
+
+    def _float32_copy(self, norm: RMSNorm) -> RMSNorm:
+        """A float32 copy of a norm of a model served in another dtype, for its native decode steps
+        (kept: the C layers hold its address)."""
+        copy = self.float32_norms.get(id(norm))
+        if copy is None:
+            copy = self.float32_norms[id(norm)] = RMSNorm(norm.weight.shape[0], norm.eps)
+            copy.weight.data = norm.weight.detach().float()
+        return copy
 
     def _decode_natively(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor],
                          batch: ForwardBatch) -> torch.Tensor | None:
@@ -233,15 +253,16 @@ class LlamaForCausalLM(nn.Module):
         kernel (srv.sdk.native.NativeKernel): x becomes the last layer's output, and the residual
         stream is returned. The Python layers call the same kernels in the same order; one call
         saves the dozen Python calls a layer costs."""
-        if not batch.is_decode or x.dtype != torch.float32:
-            return None
         rows = x.shape[0]
+        if not batch.is_decode or (x.dtype != torch.float32 and rows >= FLOAT32_DECODE_ROWS):
+            return None
         if rows not in self.native_layers:
             self.native_layers[rows] = self._native_layers(rows)
         layers = self.native_layers[rows]
         attention = None if layers is None else batch.attention.native_decode(batch)
         if attention is None:
             return None
+        x = x.float()
         shapes = self.shapes
         residual = torch.empty_like(x)
         scratch = [torch.empty(rows, size) for size in (
@@ -251,7 +272,7 @@ class LlamaForCausalLM(nn.Module):
         kernels().srv_decode_layers(ctypes.addressof(layers), len(layers), ctypes.addressof(shapes),
                                     ctypes.addressof(attention), cos.data_ptr(), sin.data_ptr(), x.data_ptr(),
                                     residual.data_ptr(), rows, *(t.data_ptr() for t in scratch))
-        return residual
+        return x, residual
 
     def _native_layers(self, rows: int) -> ctypes.Array | None:
         if kernels() is None:
@@ -265,8 +286,12 @@ class LlamaForCausalLM(nn.Module):
                         (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)]
             if None in products:
                 return None
-            layers.append(NativeDecoderLayer(*products, layer.input_layernorm.weight.data_ptr(),
-                                             layer.post_attention_layernorm.weight.data_ptr()))
+            norms = [norm if norm.weight.dtype == torch.float32 else self._float32_copy(norm)
+                     for norm in (layer.input_layernorm, layer.post_attention_layernorm)]
+            layers.append(NativeDecoderLayer(*products, *(norm.weight.data_ptr() for norm in norms)))
+        if getattr(self.lm_head, "native_linear", lambda rows: None)(rows) is None \
+                and self.lm_head.weight.dtype != torch.float32:
+            return None   # the head takes the float32 rows only from a kernel
         return (NativeDecoderLayer * len(layers))(*layers)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

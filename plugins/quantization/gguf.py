@@ -40,11 +40,13 @@ GROUP = 32
 # oneDNN's prepacked float32 for the dense copy): the kernels take 41 ms against 64 at 16 rows,
 # 129-142 against 148-164 at 64 and 199 against 214 at 112; the dense copy wins from 128 (270
 # against 295). The dense copy reads 4 bytes a weight, the kernels 6 bits.
-# bf16 and float16 keep the earlier crossover of 32: on AMX, bf16 dense products run several
-# times faster than float32 ones, and the kernels' float32 products would change the served
-# dtype's arithmetic for whole prefills.
+# bf16 and float16 go to the dense copy from 8 rows: on AMX, bf16 dense products run several
+# times faster than float32 ones, and the kernels called from Python lose to them from about
+# there (BENCHMARKS.md); the kernels' float32 products would also change the served dtype's
+# arithmetic for whole prefills. Small decode steps of such a model run the kernels from the
+# native float32 layers instead (srv's Llama).
 DENSE_FROM_FLOAT32_ROWS = 128
-DENSE_FROM_OTHER_DTYPES_ROWS = 32
+DENSE_FROM_OTHER_DTYPES_ROWS = 8
 ROWS_PER_SLICE = 1024
 # Recovered blocks must rebuild the file's values to float32 rounding.
 TOLERANCE = 1e-6
@@ -230,8 +232,11 @@ class GGUFQuantization(QuantizationMethod):
 
     model_file: Path | None = None
 
+    def detects(self, model_path: str) -> bool:
+        return Path(model_path).suffix == ".gguf"
+
     def check(self, model_path: str) -> None:
-        if Path(model_path).suffix != ".gguf":
+        if not self.detects(model_path):
             raise ValueError(f"--quantization gguf serves a .gguf file's own weights; {model_path} is not one")
         kernels()   # a compiler error now, at launch, rather than at the first request
         self.model_file = Path(model_path).resolve()
