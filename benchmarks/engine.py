@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import shlex
+import subprocess
+import sys
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 from benchmarks.load import load_command, run_load
 from benchmarks.model import BenchModel
@@ -52,6 +57,22 @@ class Engine(ABC):
         """One repetition: W4 and every workload."""
 
 
+@contextlib.contextmanager
+def cpu_hog(wanted: bool) -> Iterator[None]:
+    """A process spinning on the machine's last core while the block runs (when `wanted`)."""
+    if not wanted:
+        yield
+        return
+    core = max(os.sched_getaffinity(0))
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"],
+                           preexec_fn=lambda: os.sched_setaffinity(0, {core}))
+    try:
+        yield
+    finally:
+        hog.kill()
+        hog.wait()
+
+
 def measure_server(engine: Engine, server: ServerProcess, workloads: list[Workload], rep: int, config: str,
                    fresh_connections: bool, with_launch: bool) -> list[Run]:
     """Launch `server` (timing W4 when `with_launch`), run `workloads` against it, stop it."""
@@ -65,7 +86,8 @@ def measure_server(engine: Engine, server: ServerProcess, workloads: list[Worklo
             line = shell_line(command).replace(server.base_url, "http://127.0.0.1:PORT")
             if line not in engine.load_commands:
                 engine.load_commands.append(line)
-            result = run_load(command, f"{engine.name} {workload.name}")
+            with cpu_hog(workload.hog):
+                result = run_load(command, f"{engine.name} {workload.name}")
             runs.append(Run(engine.name, rep, workload.name, serve_metrics(result), config))
             logger.info("%s rep %d %s: %.1f output tok/s, TTFT p50 %.0f ms, TPOT p50 %.1f ms", engine.name, rep,
                         workload.name, result["output_throughput"], result["ttft_median_s"] * 1e3,

@@ -20,7 +20,7 @@ from typing import Any
 from benchmarks.engine import Engine, shell_line
 from benchmarks.hf_venv import HfVenv, ensure_hf_venv
 from benchmarks.results import LAUNCH, Probe, Run
-from benchmarks.workloads import PROBE, Workload
+from benchmarks.workloads import PROBE, W2_STEADY, Workload
 
 logger = logging.getLogger("benchmarks")
 
@@ -99,11 +99,17 @@ class HfEngine(Engine):
         self.server_commands = [shell_line([str(self.python), str(SCRIPT), "SPEC.json"])
                                 + f"  # SPEC: dtype {self.dtype}, the workloads' token ids"]
 
+    @property
+    def workloads(self) -> list[Workload]:
+        """The workloads HF runs: each as batches, so neither a steady arrival nor a hog beside
+        it means anything here."""
+        return [w for w in self.context.workloads if not w.hog and w.name != W2_STEADY]
+
     def run_rep(self, rep: int) -> list[Run]:
-        launch_s, result = self.run_peer(self.dtype, self.context.workloads, f"rep{rep}")
+        launch_s, result = self.run_peer(self.dtype, self.workloads, f"rep{rep}")
         logger.info("hf rep %d: first token %.2fs after the process started", rep, launch_s)
         runs = [Run(self.name, rep, LAUNCH, {"launch_to_first_token_s": launch_s}, self.dtype)]
-        for workload in self.context.workloads:
+        for workload in self.workloads:
             metrics = result["results"][workload.name]
             runs.append(Run(self.name, rep, workload.name, metrics, self.dtype))
             logger.info("hf rep %d %s: %.1f output tok/s, TTFT p50 %.0f ms, TPOT p50 %.1f ms", rep, workload.name,

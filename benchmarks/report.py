@@ -8,8 +8,8 @@ from pathlib import Path
 from benchmarks.grammar_cost import REGEX, mask_cost_rows
 from benchmarks.results import LAUNCH, BenchResults, Run
 from benchmarks.stats import median, medians, ratio, repetition_ratios
-from benchmarks.workloads import (INPUT_LEN, OUTPUT_LEN, SHARED_PREFIX_LEN, SWEEP, W1, W1_CONCURRENCY, W2,
-                                  W2_CONCURRENCY, W3, sweep_name)
+from benchmarks.workloads import (INPUT_LEN, OUTPUT_LEN, SHARED_PREFIX_LEN, STEADY_REQUESTS_PER_CLIENT, SWEEP, W1,
+                                  W1_CONCURRENCY, W1_HOG, W2, W2_CONCURRENCY, W2_STEADY, W3, sweep_name, workloads)
 
 NOTES_BEGIN = "<!-- notes:begin (kept by `make bench`) -->"
 NOTES_END = "<!-- notes:end -->"
@@ -32,9 +32,12 @@ class Row:
 ROWS = (
     Row(f"W1: {W1_CONCURRENCY} streams, {INPUT_LEN} in / {OUTPUT_LEN} out", W1, "output_throughput",
         "output tok/s ↑"),
-    Row(f"W2: {W2_CONCURRENCY} streams, {SHARED_PREFIX_LEN}-token shared prefix + {INPUT_LEN} in / {OUTPUT_LEN} out",
-        W2, "ttft_median_s", "TTFT p50 ms ↓", 1e3, 0, "¹"),
-    Row("W2 (same runs)", W2, "output_throughput", "output tok/s ↑"),
+    Row(f"W2 burst: {W2_CONCURRENCY} clients at once, {SHARED_PREFIX_LEN}-token shared prefix + {INPUT_LEN} in / "
+        f"{OUTPUT_LEN} out", W2, "ttft_median_s", "TTFT p50 ms ↓", 1e3, 0, "¹"),
+    Row("W2 burst (same runs)", W2, "output_throughput", "output tok/s ↑"),
+    Row(f"W2 steady: {W2_CONCURRENCY} clients, {STEADY_REQUESTS_PER_CLIENT} requests each, the same prompts",
+        W2_STEADY, "ttft_median_s", "TTFT p50 ms ↓", 1e3, 0),
+    Row(f"W1 beside a hog: W1 while a process spins on one core", W1_HOG, "output_throughput", "output tok/s ↑"),
     Row(f"W3: 1 stream, {INPUT_LEN} in / {OUTPUT_LEN} out", W3, "tpot_median_s", "decode ms/token ↓", 1e3, 2),
     Row("W4: launch to first token (warm caches)", LAUNCH, "launch_to_first_token_s", "seconds ↓", 1.0, 2, "²"),
 )
@@ -78,6 +81,30 @@ def headline(results: BenchResults) -> list[str]:
         cells += [fmt_ratio(ratio(get.get(SRV), get[p])) for p in peers]
         rows.append(cells)
     return md_table(header, rows, "ll" + "r" * (len(header) - 2))
+
+
+def hog_table(results: BenchResults) -> list[str]:
+    """Each engine's W1 beside a hog as a share of its quiet W1, repetition by repetition."""
+    rows = []
+    for engine in results.engines:
+        shares = repetition_ratios(results.runs, engine, engine, W1_HOG, "output_throughput", W1)
+        if shares:
+            rows.append([engine, ", ".join(f"{s:.0%}" for s in shares), f"{median(shares):.0%}"])
+    return md_table(["engine", "W1 beside a hog / quiet W1, by repetition", "median"], rows, "lrr") if rows else []
+
+
+def workloads_table(quick: bool) -> list[str]:
+    """What each workload sends: requests, clients, how they arrive, the prompts' shape."""
+    rows = []
+    for workload in workloads(quick):
+        waves = workload.num_prompts / workload.concurrency
+        arrival = ("all at once" if waves == 1 else
+                   f"{workload.concurrency} clients, each sending its next request when its last ends")
+        prompt = (f"{workload.shared_prefix_len}-token shared prefix + " if workload.shared_prefix_len else "") + \
+            f"{workload.input_len} tokens in, {workload.output_len} out"
+        rows.append([workload.name, str(workload.num_prompts), str(workload.concurrency), arrival, prompt,
+                     "a process spins on one core" if workload.hog else ""])
+    return md_table(["workload", "requests", "clients", "arrival", "each request", "machine"], rows, "lrrlll")
 
 
 def repetition_table(results: BenchResults) -> list[str]:
@@ -227,6 +254,14 @@ def render(results: BenchResults, plot: str, notes: str) -> str:
               "state of the machine, where the ratio of two medians above may pair one engine's quiet run with the "
               "other's busy one.", "",
               *repetition_table(results), "",
+              "### Beside a hog", "",
+              "W1 while another process keeps one core busy, as a share of the same engine's quiet W1 in the same "
+              "repetition: what each keeps of its speed on a shared machine.", "",
+              *hog_table(results), "",
+              "### Workloads", "",
+              "W1 is the sweep's 16-stream point and W3 its 1-stream point. W2's burst is the shape of a new shared "
+              "system prompt's first moments, its steady shape the one such a prompt sees most of the time.", "",
+              *workloads_table(results.quick), "",
               "### Throughput vs concurrency", "",
               f"![output tokens/s vs concurrency]({plot})", "",
               f"Output tokens/s at each concurrency ({INPUT_LEN} in / {OUTPUT_LEN} out; HF: batch size). The "

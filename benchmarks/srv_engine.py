@@ -1,5 +1,5 @@
-"""srv itself: `srv launch` on the default model with `--quantization gguf`, so that it computes
-the GGUF file's own 4-bit weights, as llama-server does; every other choice is srv's default."""
+"""srv itself: `srv launch` on the default model with no flag but the address, what a user runs
+(it serves the GGUF file's own 4-bit weights, as llama-server does)."""
 
 from __future__ import annotations
 
@@ -25,11 +25,11 @@ class SrvEngine(Engine):
 
     @staticmethod
     def command(port: str) -> list[str]:
-        return [SRV, "launch", "--quantization", "gguf", "--host", "127.0.0.1", "--port", port]
+        return [SRV, "launch", "--host", "127.0.0.1", "--port", port]
 
     def prepare(self) -> None:
         self.version = f"srv {importlib.metadata.version('srv')}, this checkout"
-        self.chosen = "`--quantization gguf` (the file's Q4_1/Q8_0 weights), defaults otherwise"
+        self.chosen = "no flags: srv's defaults (the file's own Q4_1/Q8_0 weights, `--dtype auto`)"
         self.server_commands = [shell_line(self.command("PORT"))]
         # A first launch fills what a warm start reuses (the dequantized GGUF, the page cache).
         with self.server("prime") as server:
@@ -37,5 +37,5 @@ class SrvEngine(Engine):
             server.launch_to_first_token()
 
     def run_rep(self, rep: int) -> list[Run]:
-        return measure_server(self, self.server(f"rep{rep}"), self.context.workloads, rep, "--quantization gguf",
+        return measure_server(self, self.server(f"rep{rep}"), self.context.workloads, rep, "",
                               fresh_connections=False, with_launch=True)

@@ -23,18 +23,21 @@ def ratio(ours: float | None, theirs: float | None) -> float | None:
     return ours / theirs
 
 
-def repetition_ratios(runs: Iterable[Run], ours: str, theirs: str, workload: str, metric: str) -> list[float]:
+def repetition_ratios(runs: Iterable[Run], ours: str, theirs: str, workload: str, metric: str,
+                      their_workload: str | None = None) -> list[float]:
     """ours / theirs of one metric, repetition by repetition, where both engines completed the
-    workload without failed requests. A repetition runs the engines minutes apart, so its ratio
-    shares one state of the machine; the ratio of two medians may pair one engine's quiet run
-    with the other's busy one."""
-    values: dict[tuple[int, str], float] = {}
+    workload without failed requests (theirs on `their_workload` when given: an engine against
+    itself on another workload). A repetition runs the engines minutes apart, so its ratio shares
+    one state of the machine; the ratio of two medians may pair one engine's quiet run with the
+    other's busy one."""
+    their_workload = their_workload or workload
+    values: dict[tuple[int, str, str], float] = {}
     for run in runs:
-        if run.workload == workload and run.engine in (ours, theirs) and not run.metrics.get("failed") \
-                and run.metrics.get(metric) is not None:
-            values[(run.rep, run.engine)] = run.metrics[metric]
-    reps = sorted({rep for rep, _ in values})
-    pairs = (ratio(values.get((rep, ours)), values.get((rep, theirs))) for rep in reps)
+        if run.workload in (workload, their_workload) and run.engine in (ours, theirs) \
+                and not run.metrics.get("failed") and run.metrics.get(metric) is not None:
+            values[(run.rep, run.engine, run.workload)] = run.metrics[metric]
+    reps = sorted({rep for rep, _, _ in values})
+    pairs = (ratio(values.get((rep, ours, workload)), values.get((rep, theirs, their_workload))) for rep in reps)
     return [r for r in pairs if r is not None]
 
 

@@ -1,10 +1,16 @@
-"""The measured workloads: one concurrency sweep whose points double as W1 and W3, plus W2.
+"""The measured workloads: one concurrency sweep whose points double as W1 and W3, W2 in two shapes,
+and W1 again beside a CPU hog.
 
 Every request has 128 prompt tokens and 128 output tokens (ignore_eos), so the requests of a wave
 start and finish together and a second wave would only repeat the first: from 16 streams up one
 wave is sent (64 streams already take a minute per engine on two cores), below that two waves, at
 least 4 requests, give the latencies a few more samples for a few seconds. The quick mode sends
 one wave per point, at least 2 requests.
+
+W2 shares a 512-token prefix: as a burst (16 clients start at once, one request each: the first
+minutes of a new system prompt) and steady (16 clients, three requests each, each client sending
+its next when its last ends: the shape a served system prompt sees most of the time). W1 beside a
+hog is W1 while another process keeps one of the machine's cores busy, as on a shared machine.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ class Workload:
     input_len: int = INPUT_LEN
     output_len: int = OUTPUT_LEN
     shared_prefix_len: int = 0
+    hog: bool = False          # a busy process on one core while it runs
 
     @property
     def context_tokens(self) -> int:
@@ -51,6 +58,9 @@ def sweep_name(concurrency: int) -> str:
 W1 = sweep_name(W1_CONCURRENCY)
 W3 = sweep_name(W3_CONCURRENCY)
 W2 = f"prefix{W2_CONCURRENCY}"
+W2_STEADY = f"{W2}-steady"
+W1_HOG = f"{W1}-hog"
+STEADY_REQUESTS_PER_CLIENT = 3
 
 
 # What a peer's candidate configurations are compared on: one wave of W1.
@@ -58,7 +68,11 @@ PROBE = Workload("probe", W1_CONCURRENCY, W1_CONCURRENCY)
 
 
 def workloads(quick: bool) -> list[Workload]:
-    """The sweep in increasing concurrency, then the shared-prefix workload."""
+    """The sweep in increasing concurrency, the shared-prefix workload (burst, then steady), W1
+    beside a hog."""
     sweep = [Workload(sweep_name(c), c, num_prompts(c, quick)) for c in SWEEP]
-    prefix = Workload(W2, W2_CONCURRENCY, num_prompts(W2_CONCURRENCY, quick), shared_prefix_len=SHARED_PREFIX_LEN)
-    return sweep + [prefix]
+    burst = Workload(W2, W2_CONCURRENCY, num_prompts(W2_CONCURRENCY, quick), shared_prefix_len=SHARED_PREFIX_LEN)
+    steady = Workload(W2_STEADY, W2_CONCURRENCY, W2_CONCURRENCY * (1 if quick else STEADY_REQUESTS_PER_CLIENT),
+                      shared_prefix_len=SHARED_PREFIX_LEN)
+    hog = Workload(W1_HOG, W1_CONCURRENCY, num_prompts(W1_CONCURRENCY, quick), hog=True)
+    return sweep + [burst, steady, hog]

@@ -60,11 +60,14 @@ def fake_results() -> BenchResults:
 
 def test_workloads_reuse_the_sweep_for_w1_and_w3():
     names = [w.name for w in workloads(quick=False)]
-    assert names == ["c1", "c4", "c16", "c64", "prefix16"] and W1 == "c16" and W3 == "c1" and W2 == "prefix16"
+    assert names == ["c1", "c4", "c16", "c64", "prefix16", "prefix16-steady", "c16-hog"]
+    assert W1 == "c16" and W3 == "c1" and W2 == "prefix16"
     assert [num_prompts(c, False) for c in (1, 4, 16, 64)] == [4, 8, 16, 64]
     assert [num_prompts(c, True) for c in (1, 4, 16, 64)] == [2, 4, 16, 64]
-    prefix = workloads(quick=True)[-1]
-    assert prefix.shared_prefix_len == 512 and prefix.context_tokens == 768
+    burst, steady, hog = workloads(quick=False)[-3:]
+    assert burst.shared_prefix_len == steady.shared_prefix_len == 512 and burst.context_tokens == 768
+    assert (burst.num_prompts, steady.num_prompts, steady.concurrency) == (16, 48, 16)
+    assert hog.hog and not burst.hog and (hog.concurrency, hog.num_prompts) == (16, 16)
 
 
 def test_median_and_ratio():
@@ -92,14 +95,15 @@ def test_repetition_ratios_pair_each_repetition_and_skip_failed_runs():
 
 def test_llama_slots_give_every_stream_room():
     groups = slot_configs(workloads(quick=False))
-    assert [[w.name for w in ws] for ws in groups.values()] == [["c1", "c4", "c16", "prefix16"], ["c64"]]
+    assert [[w.name for w in ws] for ws in groups.values()] == [
+        ["c1", "c4", "c16", "prefix16", "prefix16-steady", "c16-hog"], ["c64"]]
     small, large = groups
     assert small == SlotConfig(16, BASE_CTX)
     assert large.slots == 64 and large.ctx >= 64 * 256
 
 
 def test_load_command_for_llama_server():
-    prefix = workloads(quick=True)[-1]
+    prefix = workloads(quick=True)[-3]
     command = load_command("http://127.0.0.1:1234", prefix, ROOT / "tok", fresh_connections=True)
     assert command[1:3] == ["bench", "serve"]
     for flag, value in (("--concurrency", "16"), ("--shared-prefix-len", "512"), ("--tokenizer", str(ROOT / "tok"))):
@@ -164,3 +168,18 @@ def test_decode_kernels_run_on_the_default_model_with_tiny_sizes():
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "| 1 |" in result.stdout and "| 2 | 9 | 0 |" in result.stdout and "| 2 | 9 | 4 |" in result.stdout
+
+
+def test_an_engine_beside_a_hog_against_itself_quiet():
+    from benchmarks.engine import cpu_hog
+    from benchmarks.workloads import W1_HOG
+
+    runs = [Run("srv", rep, workload, {"output_throughput": value})
+            for rep, workload, value in ((0, W1, 100.0), (0, W1_HOG, 60.0), (1, W1, 80.0), (1, W1_HOG, 60.0))]
+    assert repetition_ratios(runs, "srv", "srv", W1_HOG, "output_throughput", W1) == [0.6, 0.75]
+    with cpu_hog(True):
+        busy = [p for p in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout.splitlines()
+                if "while True: pass" in p]
+    assert busy
+    assert not [p for p in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout.splitlines()
+                if "while True: pass" in p and "ps -eo" not in p]
