@@ -121,14 +121,14 @@ def drive_decode_steps(engine, steps: int, tokens: list[torch.Tensor] | None = N
 
     lens = [len(p) for p in prompts]
     logits = runner.forward(torch.tensor([t for p in prompts for t in p]), torch.cat([torch.arange(n) for n in lens]),
-                            torch.cat([s[:n] for s, n in zip(slots, lens)]), slot_table(lens), [0] * len(prompts), lens)
+                            torch.cat([s[:n] for s, n in zip(slots, lens)]), slot_table(lens), [0] * len(prompts), lens).logits
     all_tokens, all_logits = [], []
     for step in range(steps):
         assert torch.isfinite(logits).all()
         step_tokens = logits.argmax(-1) if tokens is None else tokens[step]
         args = (step_tokens, torch.tensor(lens), torch.stack([s[n] for s, n in zip(slots, lens)]),
                 slot_table([n + 1 for n in lens]), lens, [1] * len(prompts))
-        logits = runner.forward(*args)
+        logits = runner.forward(*args).logits
         all_tokens.append(step_tokens)
         all_logits.append(logits)
         if check is not None:
@@ -163,7 +163,7 @@ def test_decode_layers_run_in_one_native_call_with_the_python_layers_results(mon
 
     def same_as_python(step, args, logits):
         monkeypatch.setattr(LlamaForCausalLM, "_decode_natively", lambda self, x, rotary, batch: None)
-        assert torch.equal(engine.runner.forward(*args), logits), f"decode step {step}"
+        assert torch.equal(engine.runner.forward(*args).logits, logits), f"decode step {step}"
         monkeypatch.setattr(LlamaForCausalLM, "_decode_natively", counted)
 
     with srv.Engine(quantization="gguf", dtype="float32") as engine:

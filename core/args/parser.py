@@ -157,6 +157,28 @@ def check_launch_args(args: argparse.Namespace, parser: LaunchArgumentParser) ->
                 parser.error(f"{spec.name}: {exc}")
         if spec.name in NOT_SUPPORTED_YET and value != defaults[spec.dest]:
             parser.error(f"{spec.name} is not supported yet")
+    if args.speculative_algorithm:
+        for message in speculative_refusals(args):
+            parser.error(message)
+
+
+def speculative_refusals(args: argparse.Namespace) -> list[str]:
+    """What srv's speculative decoding cannot honour of the --speculative-* flags."""
+    from srv.sdk.speculative import SpeculativeConfig
+
+    refused = []
+    try:
+        SpeculativeConfig.from_args(args, 2)
+    except ValueError as exc:
+        refused.append(str(exc))
+    if (args.speculative_eagle_topk or 1) > 1:
+        refused.append(f"--speculative-eagle-topk {args.speculative_eagle_topk}: tree drafts are not supported yet "
+                       "(srv verifies chains of drafts: 1)")
+    for flag in ("single", "acc"):
+        if getattr(args, f"speculative_accept_threshold_{flag}") != 1.0:
+            refused.append(f"--speculative-accept-threshold-{flag}: not supported: srv accepts a draft by the exact "
+                           "rule only (the output keeps the target's distribution)")
+    return refused
 
 
 def parse_launch_args(

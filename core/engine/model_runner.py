@@ -14,8 +14,8 @@ import torch
 
 from srv.backend_registry import AUTO, NONE, BackendRegistry, BackendUnavailable
 from srv.engine.default_model import default_model_path
-from srv.sdk.attention import AttentionBackend, ForwardBatch, KVCache
-from srv.sdk.models import ModelConfig, ModelImpl, ModelLoader, materialize
+from srv.sdk.attention import AttentionBackend, ForwardBatch, ForwardMode, KVCache
+from srv.sdk.models import ModelConfig, ModelImpl, ModelLoader, ModelOutput, materialize
 from srv.sdk.quantization import QuantizationMethod
 
 logger = logging.getLogger("srv.engine")
@@ -149,16 +149,30 @@ class ModelRunner:
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, out_cache_loc: torch.Tensor,
                 kv_slots: torch.Tensor, prefix_lens: list[int], extend_lens: list[int],
-                logits_indices: torch.Tensor | None = None) -> torch.Tensor:
+                logits_indices: torch.Tensor | None = None, mode: ForwardMode | None = None,
+                capture_hidden: bool = False) -> ModelOutput:
+        """One forward pass (see ForwardBatch); mode defaults to DECODE when every request
+        extends by one token, EXTEND otherwise."""
         decode = all(e == 1 for e in extend_lens)
+        if mode is None:
+            mode = ForwardMode.DECODE if decode else ForwardMode.EXTEND
+        if mode is ForwardMode.TARGET_VERIFY:
+            # --speculative-attention-mode: which phase's backend verify passes use.
+            attention = self.decode_attention if self.args.speculative_attention_mode == "decode" \
+                else self.prefill_attention
+        else:
+            attention = self.decode_attention if decode else self.prefill_attention
         batch = ForwardBatch(input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc,
                              kv_slots=kv_slots, prefix_lens=prefix_lens, extend_lens=extend_lens,
-                             kv_cache=self.kv_cache,
-                             attention=self.decode_attention if decode else self.prefill_attention,
-                             logits_indices=logits_indices)
-        logits = self.model(batch)
+                             kv_cache=self.kv_cache, attention=attention, logits_indices=logits_indices,
+                             mode=mode, capture_hidden=capture_hidden)
+        out = self.model(batch)
+        if isinstance(out, torch.Tensor):   # a model written before ModelOutput: logits alone
+            out = ModelOutput(out)
         rows = len(extend_lens) if logits_indices is None else len(logits_indices)
-        if logits.shape[0] != rows:
-            raise RuntimeError(f"the model returned {logits.shape[0]} rows of logits for {rows} asked: it must "
+        if out.logits.shape[0] != rows:
+            raise RuntimeError(f"the model returned {out.logits.shape[0]} rows of logits for {rows} asked: it must "
                                "return the rows ForwardBatch.logits_rows() names")
-        return logits
+        if capture_hidden and out.hidden_states is None:
+            raise RuntimeError("the model returned no hidden states, though the batch asked for them")
+        return out

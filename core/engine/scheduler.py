@@ -28,8 +28,10 @@ from srv.engine.memory import OutOfKVMemory, PagedSlotAllocator, ReqToTokenPool
 from srv.engine.model_runner import ModelRunner
 from srv.engine.radix_cache import RadixCache
 from srv.engine.request import FinishReason, Req
-from srv.sdk.grammar import GrammarError, allocate_bitmask
-from srv.sdk.sampling import SamplingBatch
+from srv.engine.speculative import common_prefix_len, make_worker
+from srv.engine.worker import BatchResult, ScheduledReq, reportable
+from srv.sdk.grammar import GrammarError
+from srv.sdk.sampling import SampleOutput
 
 logger = logging.getLogger("srv.scheduler")
 
@@ -51,8 +53,6 @@ CLIP_MAX_NEW_TOKENS = 4096
 # A waiting request that does not fit lets the ones behind it start for this long; then
 # admission waits for it (running requests end, and it fits), so it is never starved either.
 MAX_SKIP_S = 5.0
-# What a log-probability of -inf (a token the model gives no probability) is reported as.
-LOGPROB_FLOOR = -9999.0
 
 
 @dataclass
@@ -63,6 +63,21 @@ class SchedulerStats:
     retractions: int = 0
     forward_steps: int = 0
     decode_steps: int = 0
+    # Speculative decoding: requests verified, drafts proposed to them, and tokens they gained
+    # (accepted drafts plus the target's own token): SGLang's accept length is their ratio.
+    spec_verifies: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+
+    def record_verify(self, drafts: int, appended: int) -> None:
+        self.spec_verifies += 1
+        self.spec_draft_tokens += drafts
+        self.spec_accepted_tokens += appended
+
+    @property
+    def spec_accept_length(self) -> float:
+        """Tokens a verified request gained per step (1.0: no draft ever held)."""
+        return self.spec_accepted_tokens / self.spec_verifies if self.spec_verifies else 0.0
 
 
 def in_background(function: Callable[[], Any]) -> Future[Any]:
@@ -110,6 +125,8 @@ class Scheduler:
         self.failed: list[Req] = []     # ended by an error since the loop last asked
         self._in_step: list[Req] = []   # what the current step scheduled or is admitting
         self.stats = SchedulerStats()
+        self.worker = make_worker(args, runner, registry, self.req_pool, self.eos_ids, self.fail, self.crash_on_nan,
+                                  self.stats)
 
     def set_tokenizer_loader(self, load: Callable[[], Any] | None) -> None:
         """How to load the tokenizer stop strings and grammars need (None under
@@ -230,6 +247,7 @@ class Scheduler:
 
     def _release(self, req: Req) -> None:
         """Return a request's KV: full pages go to the prefix cache, the rest back to the pool."""
+        self.worker.release(req)
         if req.row is None:
             return
         page = self.allocator.page_size
@@ -298,13 +316,13 @@ class Scheduler:
 
     # ---- one step ------------------------------------------------------------------------
 
-    def _schedule_prefill(self) -> list[tuple[Req, int]]:
+    def _schedule_prefill(self) -> list[ScheduledReq]:
         if self.policy.needs_prefix_match and self.tree is not None:
             for req in self.waiting:
                 slots, req.prefix_node = self.tree.match_prefix(req.token_ids[: req.seq_len - 1])
                 req.cached_prefix_len = slots.numel()
         budget = min(self.args.max_prefill_tokens, self.chunk_size)
-        scheduled: list[tuple[Req, int]] = []
+        scheduled: list[ScheduledReq] = []
         partial = [r for r in self.running if r.kv_len + 1 < r.seq_len]
         waiting = self.policy.order(self.waiting)
         if self.args.enable_priority_scheduling:
@@ -314,9 +332,9 @@ class Scheduler:
                 break
             self._in_step = [req]
             if req.row is None:
-                if self._shares_uncached_prefix(req, [r for r, _ in scheduled]):
+                if self._shares_uncached_prefix(req, [item.req for item in scheduled]):
                     continue
-                if not self._try_admit(req, budget, [r for r, _ in scheduled]):
+                if not self._try_admit(req, budget, [item.req for item in scheduled]):
                     if self._may_pass_over(req):
                         continue
                     break
@@ -326,7 +344,7 @@ class Scheduler:
                 self._reserve(req, req.kv_len + extend)
             except OutOfKVMemory:
                 break
-            scheduled.append((req, extend))
+            scheduled.append(ScheduledReq(req, extend))
             budget -= extend
         return scheduled
 
@@ -344,7 +362,7 @@ class Scheduler:
         if self.tree is None or not scheduled:
             return False
         tokens = req.token_ids
-        shared = max(_common_prefix_len(tokens, other.token_ids) for other in scheduled)
+        shared = max(common_prefix_len(tokens, other.token_ids) for other in scheduled)
         if shared < IN_BATCH_PREFIX_MIN_TOKENS:
             return False
         cached, _ = self.tree.match_prefix(tokens[: req.seq_len - 1])
@@ -371,188 +389,128 @@ class Scheduler:
         self.stats.cached_prompt_tokens += req.cached_prefix_len
         return True
 
-    def _schedule_decode(self) -> list[tuple[Req, int]]:
+    def _schedule_decode(self) -> list[ScheduledReq]:
+        """Every running request whose prompt is in the cache, with KV slots for its next token
+        and the drafts the worker may give it; short of memory, drafts go first, then requests
+        are retracted."""
         decoding = self._in_step = [r for r in self.running if r.kv_len + 1 == r.seq_len]
         if decoding:
             self.new_token_ratio = max(self.min_new_token_ratio, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
+        budgets = {id(r): self.worker.draft_budget(r) for r in decoding}
         while decoding:
             try:
                 for req in decoding:
-                    self._reserve(req, req.kv_len + 1)
+                    self._reserve(req, req.kv_len + 1 + budgets[id(req)])
                 break
             except OutOfKVMemory:
+                if any(budgets.values()):
+                    for req in decoding:
+                        self._trim(req)
+                    budgets = dict.fromkeys(budgets, 0)
+                    continue
                 if len(self.running) == 1:
                     self.fail(self.running[0], "the KV cache is full: this request's context does not fit it")
                     return []
                 self._retract()
                 decoding = [r for r in self.running if r.kv_len + 1 == r.seq_len]
-        return [(r, 1) for r in decoding]
+        return [ScheduledReq(r, 1, budgets.get(id(r), 0)) for r in decoding]
+
+    def _trim(self, req: Req) -> None:
+        """Give back the whole pages booked past a request's next token (drafts that verification
+        rejected, or that were never proposed); what they held was never in the prefix cache."""
+        page = self.allocator.page_size
+        keep = -(-req.seq_len // page) * page
+        if req.allocated > keep:
+            self.allocator.free_slots(self.req_pool.table[req.row, keep:req.allocated].clone())
+            self.req_pool.table[req.row, keep:req.allocated] = 0
+            req.allocated = keep
 
     def step(self) -> list[Req]:
-        """Run one forward pass; returns the requests that got a token (finished ones included).
+        """Run one forward pass; returns the requests that got tokens (finished ones included).
         A request whose computation raises is failed (see `fail`), the others go on."""
         started = time.perf_counter()
         self._in_step = []
         batch = self._schedule_prefill() if self.waiting or any(r.kv_len + 1 < r.seq_len for r in self.running) else []
         if batch and self.args.enable_mixed_chunk:
-            scheduled = {id(r) for r, _ in batch}
-            batch = [(r, e) for r, e in self._schedule_decode() if id(r) not in scheduled] + batch
+            scheduled = {id(item.req) for item in batch}
+            batch = [item for item in self._schedule_decode() if id(item.req) not in scheduled] + batch
         if not batch:
             batch = self._schedule_decode()
         if not batch:
             return []
-        self._in_step = [req for req, _ in batch]
+        self._in_step = [item.req for item in batch]
         scheduled_at = time.perf_counter()
-        batch, logits = self._forward_isolating_failures(batch)
-        if not batch:
+        result = self.worker.run(batch)
+        if not result.results:
             return []
         if self.tree is not None:
-            for req, extend in batch:
-                if extend > 1:
-                    self._cache_computed_prefix(req)
-        if self.crash_on_nan and torch.isnan(logits).any():
-            raise FloatingPointError(f"NaN in the logits of requests {[r.rid for r, _ in batch]} (--crash-on-nan)")
+            for item in result.results:
+                if item.item.extend > 1:
+                    self._cache_computed_prefix(item.req)
         forwarded_at = time.perf_counter()
-        reqs = self._process(batch, logits)
-        if all(extend == 1 for _, extend in batch):
+        reqs = self._process(result)
+        if all(item.extend == 1 for item in batch):
             self.stats.decode_steps += 1
         if self.args.show_time_cost:
-            logger.info("step: %d requests, %d tokens; schedule %.1f ms, forward %.1f ms, sample %.1f ms",
-                        len(batch), sum(e for _, e in batch), (scheduled_at - started) * 1e3,
-                        (forwarded_at - scheduled_at) * 1e3, (time.perf_counter() - forwarded_at) * 1e3)
+            logger.info("step: %d requests, %d tokens; schedule %.1f ms, forward and sample %.1f ms, process %.1f ms",
+                        len(batch), sum(item.extend + len(item.drafts) for item in batch),
+                        (scheduled_at - started) * 1e3, (forwarded_at - scheduled_at) * 1e3,
+                        (time.perf_counter() - forwarded_at) * 1e3)
         return reqs
 
-    def _forward_isolating_failures(self, batch: list[tuple[Req, int]]) -> tuple[list[tuple[Req, int]], torch.Tensor]:
-        """The batch's logits; when the batch's forward raises, each request runs alone and those
-        that still raise are failed, so one bad request cannot take its batch down with it."""
-        try:
-            return batch, self._forward(batch)
-        except Exception as exc:
-            if len(batch) == 1:
-                raise
-            logger.warning("a forward pass of %d requests raised %s; running them one by one", len(batch),
-                           type(exc).__name__)
-        kept, rows = [], []
-        for item in batch:
-            try:
-                rows.append(self._forward([item]))
-                kept.append(item)
-            except Exception as exc:
-                logger.exception("request %s failed in the forward pass", item[0].rid)
-                self.fail(item[0], f"the forward pass failed: {type(exc).__name__}: {exc}")
-        return kept, torch.cat(rows) if rows else torch.empty(0)
-
-    def _forward(self, batch: list[tuple[Req, int]]) -> torch.Tensor:
-        """The logits of each request's last new token, [B, vocab]; prompt log-probabilities a
-        request wants from this chunk are recorded on the way (their rows come after those)."""
-        ids, positions, locs, prompt_rows = [], [], [], []
-        for req, extend in batch:
-            tokens = req.token_ids
-            wanted = req.next_prompt_logprob
-            if wanted is not None:
-                if wanted == 0:   # the first prompt token has no log-probability
-                    req.input_logprobs.append(None)
-                    req.input_top_logprobs.append([])
-                # Position p's logits give token p + 1: (request, row in the batch, that token).
-                prompt_rows += [(req, len(ids) + p - req.kv_len, tokens[p + 1])
-                                for p in range(max(wanted - 1, req.kv_len), min(req.kv_len + extend, req.prompt_len - 1))]
-            ids += tokens[req.kv_len: req.kv_len + extend]
-            positions.append(torch.arange(req.kv_len, req.kv_len + extend))
-            locs.append(self.req_pool.table[req.row, req.kv_len: req.kv_len + extend])
-        rows = torch.tensor([req.row for req, _ in batch])
-        lens = torch.tensor([req.kv_len + extend for req, extend in batch])
-        max_len = int(lens.max())
-        # Past its own tokens a row may hold slots reserved for later ones, never written yet:
-        # point them at slot 0 as ForwardBatch promises, or masked attention would read garbage.
-        kv_slots = self.req_pool.table[rows, :max_len].masked_fill_(torch.arange(max_len) >= lens[:, None], 0)
-        extends = [extend for _, extend in batch]
-        logits_indices = None
-        if prompt_rows:
-            last = torch.tensor(extends).cumsum(0) - 1
-            logits_indices = torch.cat([last, torch.tensor([row for _, row, _ in prompt_rows])])
-        logits = self.runner.forward(
-            torch.tensor(ids), torch.cat(positions), torch.cat(locs), kv_slots,
-            [req.kv_len for req, _ in batch], extends, logits_indices)
-        if prompt_rows:
-            self._record_prompt_logprobs(prompt_rows, logits[len(batch):])
-            logits = logits[:len(batch)]
-        for req, extend in batch:
-            req.kv_len += extend
-        self.stats.forward_steps += 1
-        return logits
-
-    @staticmethod
-    def _record_prompt_logprobs(rows: list[tuple[Req, int, int]], logits: torch.Tensor) -> None:
-        """The log-probability of each row's next prompt token (and the top ones, if asked),
-        appended to its request's prompt log-probabilities."""
-        logprobs = torch.log_softmax(logits.float(), dim=-1)
-        top_k = max(req.params.top_logprobs for req, _, _ in rows)
-        top = torch.topk(logprobs, top_k, dim=-1) if top_k else None
-        for j, (req, _, token) in enumerate(rows):
-            req.input_logprobs.append(_reportable(float(logprobs[j, token])))
-            k = req.params.top_logprobs
-            req.input_top_logprobs.append(list(zip(top.indices[j, :k].tolist(), map(_reportable, top.values[j, :k].tolist())))
-                                          if top is not None and k else [])
-
     @torch.inference_mode()
-    def _process(self, batch: list[tuple[Req, int]], logits: torch.Tensor) -> list[Req]:
-        complete = [i for i, (req, _) in enumerate(batch) if req.kv_len == req.seq_len]
-        # max_new_tokens=0 only fills the cache (the prompt of an n > 1 request): nothing to sample.
-        prefill_only = [batch[i][0] for i in complete if batch[i][0].max_new_tokens == 0]
-        for req in prefill_only:
-            req.finish_reason = FinishReason.LENGTH
-            self.running.remove(req)
-            self._release(req)
-        ready = [i for i in complete if batch[i][0].max_new_tokens > 0]
-        if not ready:
-            return prefill_only
-        reqs = [batch[i][0] for i in ready]
-        self._in_step = reqs
-        sampling = SamplingBatch([r.params for r in reqs], [r.token_ids for r in reqs],
-                                 [r.prompt_len for r in reqs], self.eos_ids, self._grammar_mask(reqs, logits.shape[-1]))
-        if len(ready) < len(batch):
-            logits = logits[ready]
-        out = self.runner.sampler.sample(logits, sampling)
-        tokens = out.next_token_ids.tolist()
+    def _process(self, result: BatchResult) -> list[Req]:
+        """Append each request's new tokens until one ends it; a verify pass's request keeps the
+        KV of the tokens it appended and gives back the pages booked for rejected drafts."""
         done = []
-        for j, req in enumerate(reqs):
+        self._in_step = [r.req for r in result.results]
+        for item in result.results:
+            req = item.req
+            if not item.rows:
+                # max_new_tokens=0 only fills the cache (the prompt of an n > 1 request).
+                if req.kv_len == req.seq_len and req.max_new_tokens == 0:
+                    req.finish_reason = FinishReason.LENGTH
+                    self.running.remove(req)
+                    self._release(req)
+                    done.append(req)
+                continue
+            appended = 0
             try:
-                self._append_token(req, tokens[j], out, j)
+                for token, row in zip(item.tokens, item.rows):
+                    self._append_token(req, token, result.sample, row)
+                    appended += 1
+                    if req.finished:
+                        break
             except Exception as exc:
                 logger.exception("request %s failed after sampling", req.rid)
                 self.fail(req, f"{type(exc).__name__}: {exc}")
                 continue
+            if item.item.drafts:
+                # The KV of the last token and the accepted drafts is kept (all that was appended
+                # but the final token, whose KV the next step computes).
+                req.kv_len += appended
+                self.stats.record_verify(len(item.item.drafts), appended)
             done.append(req)
             if req.finished:
                 self.running.remove(req)
                 self._release(req)
-        return prefill_only + done
+            elif item.item.draft_budget:
+                self._trim(req)
+        return done
 
-    def _append_token(self, req: Req, token: int, out: Any, row: int) -> None:
+    def _append_token(self, req: Req, token: int, out: SampleOutput, row: int) -> None:
         req.output_ids.append(token)
         if req.grammar is not None and not req.grammar.accept_token(token):
             logger.error("request %s: the sampler chose token %d, which its grammar forbids", req.rid, token)
             req.finish_reason = FinishReason.ABORT
         if out.logprobs is not None:
-            req.logprobs.append(_reportable(float(out.logprobs[row])))
+            req.logprobs.append(reportable(float(out.logprobs[row])))
         if out.top_logprobs is not None and req.params.top_logprobs:
             values, ids = out.top_logprobs
             k = req.params.top_logprobs
-            req.top_logprobs.append(list(zip(ids[row, :k].tolist(), map(_reportable, values[row, :k].tolist()))))
+            req.top_logprobs.append(list(zip(ids[row, :k].tolist(), map(reportable, values[row, :k].tolist()))))
         self.stats.generated_tokens += 1
         self._check_finished(req)
-
-    @staticmethod
-    def _grammar_mask(reqs: list[Req], vocab_size: int) -> torch.Tensor | None:
-        """The tokens each request's grammar allows next (every token for a free request), or
-        None when no request of the batch is constrained."""
-        constrained = [j for j, req in enumerate(reqs) if req.grammar is not None]
-        if not constrained:
-            return None
-        bitmask = allocate_bitmask(len(reqs), vocab_size)
-        for j in constrained:
-            reqs[j].grammar.fill_bitmask(bitmask, j)
-        return bitmask
 
     def _check_finished(self, req: Req) -> None:
         token, params = req.output_ids[-1], req.params
@@ -587,16 +545,3 @@ class Scheduler:
         if self.has_work:
             return False
         return True if self.tree is None else self.tree.flush()
-
-
-def _reportable(logprob: float) -> float:
-    """A log-probability JSON can carry (no -inf, no NaN)."""
-    return logprob if math.isfinite(logprob) else LOGPROB_FLOOR
-
-
-def _common_prefix_len(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n

@@ -72,11 +72,12 @@ class SchedulerLoop:
         if interval > 0 and stats.decode_steps - self._logged_decode_steps >= interval:
             self._logged_decode_steps = stats.decode_steps
             status = self.control_status()
-            logger.info("decode: %d running, %d queued, %.1f tok/s, KV %d/%d tokens (%.0f%%), cache hit rate %.0f%%",
+            spec = f", accept len {stats.spec_accept_length:.2f}" if stats.spec_verifies else ""
+            logger.info("decode: %d running, %d queued, %.1f tok/s, KV %d/%d tokens (%.0f%%), cache hit rate %.0f%%%s",
                         status["running_requests"], status["waiting_requests"], status["gen_throughput"],
                         status["kv_tokens_in_use"], status["kv_capacity_tokens"],
                         100 * status["kv_tokens_in_use"] / max(status["kv_capacity_tokens"], 1),
-                        100 * stats.cached_prompt_tokens / max(stats.prompt_tokens, 1))
+                        100 * stats.cached_prompt_tokens / max(stats.prompt_tokens, 1), spec)
         return outputs
 
     def throughput(self) -> float:
@@ -117,4 +118,5 @@ class SchedulerLoop:
             "prefix_cached_tokens": scheduler.tree.cached_tokens if scheduler.tree is not None else 0,
             "gen_throughput": self.throughput(),
             **vars(scheduler.stats),
+            "spec_accept_length": scheduler.stats.spec_accept_length,
         }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +34,20 @@ class KVCache:
         self.v_buffers[layer_id][slots] = v.to(self.dtype)
 
 
+class ForwardMode(str, enum.Enum):
+    """What a forward pass computes (SGLang's names).
+
+    EXTEND: prompt chunks (and, mixed in, decode rows); DECODE: one new token a request;
+    TARGET_VERIFY: a speculative verify pass, laid out as decode rows (a request's last token
+    and each of its drafts is a row attending to its own prefix, so rows of one request share
+    a KV row); DRAFT_EXTEND: a draft model's pass."""
+
+    EXTEND = "extend"
+    DECODE = "decode"
+    TARGET_VERIFY = "target_verify"
+    DRAFT_EXTEND = "draft_extend"
+
+
 @dataclass
 class ForwardBatch:
     """One forward pass over a ragged batch: each request contributes `extend_lens[i]` new
@@ -45,6 +60,9 @@ class ForwardBatch:
     logits_indices: the rows of the new tokens whose logits the model returns, in this order;
         None means each request's last new token (one row a request, in batch order). The
         scheduler asks for more rows when a request wants its prompt's log-probabilities.
+    mode: see ForwardMode; every mode uses this same ragged layout.
+    capture_hidden: also return the final hidden states (what the head reads) at the logits
+        rows, in ModelOutput.hidden_states (draft heads such as EAGLE's read them).
     """
 
     input_ids: torch.Tensor
@@ -57,6 +75,8 @@ class ForwardBatch:
     attention: "AttentionBackend"
     metadata: dict[str, Any] = field(default_factory=dict)
     logits_indices: torch.Tensor | None = None
+    mode: ForwardMode = ForwardMode.EXTEND
+    capture_hidden: bool = False
 
     @property
     def batch_size(self) -> int:

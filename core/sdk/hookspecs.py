@@ -143,7 +143,7 @@ def srv_register_hicache_storage_backends(register: Register) -> None:
 def srv_register_speculative_algorithms(register: Register) -> None:
     """Register speculative decoding algorithms (`--speculative-algorithm`).
 
-    No built-in backend yet: the base class a factory returns is defined with the first one.
+    factory(context: srv.sdk.speculative.SpeculativeContext) -> srv.sdk.speculative.SpeculativeAlgorithm
     """
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +66,16 @@ def materialize(model: nn.Module) -> nn.Module:
     return model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype))
 
 
+@dataclass
+class ModelOutput:
+    """What a model's forward returns: float32 logits [rows, vocab] of the rows
+    `batch.logits_rows()` names, and, when `batch.capture_hidden` is set, the final hidden
+    states [rows, hidden] the head read for them."""
+
+    logits: torch.Tensor
+    hidden_states: torch.Tensor | None = None
+
+
 class ModelLoader(ABC):
     """Reads a model's weights in one format.
 
@@ -90,10 +101,11 @@ class ModelLoader(ABC):
 class ModelImpl(ABC):
     """Builds models for some architectures.
 
-    The module it builds takes a `srv.sdk.attention.ForwardBatch` and returns float32 logits
-    [rows, vocab] of the rows `batch.logits_rows()` names (each request's last new token unless
-    the batch asks for more: prompt log-probabilities), and has `load_weights(named_tensors)`
-    taking Hugging Face checkpoint names.
+    The module it builds takes a `srv.sdk.attention.ForwardBatch` and returns a `ModelOutput`:
+    float32 logits [rows, vocab] of the rows `batch.logits_rows()` names (each request's last
+    new token unless the batch asks for more: prompt log-probabilities, verify passes), and the
+    hidden states when the batch asks for them. It has `load_weights(named_tensors)` taking
+    Hugging Face checkpoint names.
     """
 
     def __init__(self, server_args: Any = None) -> None:

@@ -86,6 +86,9 @@ class ServerMetrics:
             "token_usage": Gauge("sglang:token_usage", "Share of the KV cache in use", scheduler_labels, registry=r),
             "cache_hit_rate": Gauge("sglang:cache_hit_rate", "Share of prompt tokens found in the prefix cache",
                                     scheduler_labels, registry=r),
+            "spec_accept_length": Gauge("sglang:spec_accept_length",
+                                        "Tokens a speculative verify step gives a request, on average",
+                                        scheduler_labels, registry=r),
             "gen_throughput": Gauge("sglang:gen_throughput", "Generated tokens per second, recent",
                                     scheduler_labels, registry=r),
         }

@@ -126,7 +126,8 @@ class NativeRoutes:
         return JSONResponse({**{k: v for k, v in vars(self.context.args).items() if k != "api_key"},
                              "version": self.context.version, "scheduler": status,
                              "max_total_num_tokens": status["kv_capacity_tokens"],
-                             "max_running_requests": self.context.model_info.get("max_running_requests")})
+                             "max_running_requests": self.context.model_info.get("max_running_requests"),
+                             "internal_states": [{"avg_spec_accept_length": status["spec_accept_length"]}]})
 
     async def flush_cache(self, request: Request) -> Response:
         if await self.context.frontend.control("flush_cache"):

@@ -18,6 +18,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from srv.sdk.attention import ForwardBatch
+from srv.sdk.models import ModelOutput
 from srv.sdk.native import NativeBuildError, NativeKernel, load_c_library
 
 logger = logging.getLogger("srv.models")
@@ -190,8 +191,9 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """forward(batch) returns float32 logits [rows, vocab] of the rows `batch.logits_rows()` names
-    (each request's last new token, unless the scheduler asks for more)."""
+    """forward(batch) returns a ModelOutput: float32 logits [rows, vocab] of the rows
+    `batch.logits_rows()` names (each request's last new token, unless the scheduler asks for
+    more), and the normed hidden states of those rows when the batch captures them."""
 
     # HF checkpoint names of the projections srv stores fused: (fused name, shard index).
     FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -222,7 +224,7 @@ class LlamaForCausalLM(nn.Module):
         self.float32_norms: dict[int, RMSNorm] = {}
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch) -> ModelOutput:
         x = self.embed_tokens(batch.input_ids)
         rotary = self.rotary(batch.positions)
         batch.attention.prepare(batch)
@@ -236,7 +238,7 @@ class LlamaForCausalLM(nn.Module):
         rows = batch.logits_rows()
         norm = self.norm if x.dtype == self.norm.weight.dtype else self._float32_copy(self.norm)
         x, _ = norm(x[rows], residual[rows])
-        return self.lm_head(x).float()
+        return ModelOutput(self.lm_head(x).float(), x if batch.capture_hidden else None)
 
     def _float32_copy(self, norm: RMSNorm) -> RMSNorm:
         """A float32 copy of a norm of a model served in another dtype, for its native decode steps

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from srv.sdk.attention import ForwardBatch
+from srv.sdk.models import ModelOutput
 
 logger = logging.getLogger("srv.models.transformers")
 
@@ -77,7 +78,8 @@ def register_attention() -> None:
 class TransformersModel(nn.Module):
     """A transformers causal LM whose attention runs on srv's KV cache.
 
-    forward(batch) returns float32 logits [rows, vocab] of the rows batch.logits_rows() names;
+    forward(batch) returns a ModelOutput: float32 logits [rows, vocab] of the rows
+    batch.logits_rows() names, and the last hidden states when the batch captures them;
     load_weights(named_tensors) takes the checkpoint's (Hugging Face) names.
     """
 
@@ -95,16 +97,18 @@ class TransformersModel(nn.Module):
         _warn_about_ignored_attention_settings(config)
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch) -> ModelOutput:
         batch.attention.prepare(batch)
         rows = batch.logits_rows()
         kwargs = {"logits_to_keep": rows} if self._logits_to_keep else {}
         # The full causal-LM forward, so that each model's own head logic (logit scaling,
         # final softcapping) applies; logits_to_keep runs the head on the asked rows only.
         out = self.hf(input_ids=batch.input_ids[None], position_ids=batch.positions[None], use_cache=False,
-                      **kwargs, **{BATCH_KWARG: batch})
+                      output_hidden_states=batch.capture_hidden, **kwargs, **{BATCH_KWARG: batch})
         logits = out.logits[0]
-        return (logits if self._logits_to_keep else logits[rows]).float()
+        # transformers' last hidden state is the final norm's output: what the head reads.
+        hidden = out.hidden_states[-1][0][rows] if batch.capture_hidden else None
+        return ModelOutput((logits if self._logits_to_keep else logits[rows]).float(), hidden)
 
     # ---- weights ------------------------------------------------------------------------------
 

@@ -1,0 +1,158 @@
+"""Speculative decoding in the engine: the worker that asks an algorithm (a plugin of the
+speculative_algorithm family) for drafts and verifies them, and the draft models algorithms
+load through `SpeculativeContext.load_draft_model`."""
+
+from __future__ import annotations
+
+import copy
+import logging
+from argparse import Namespace
+from collections import OrderedDict
+from typing import Any, Callable, Sequence
+
+import torch
+
+from srv.backend_registry import BackendRegistry
+from srv.engine.memory import PagedSlotAllocator
+from srv.engine.model_runner import ModelRunner
+from srv.engine.request import Req
+from srv.engine.worker import BatchResult, ScheduledReq, Worker
+from srv.sdk.attention import ForwardMode
+from srv.sdk.speculative import DraftModel, SpeculativeAlgorithm, SpeculativeConfig, SpeculativeContext
+
+logger = logging.getLogger("srv.scheduler")
+
+
+def make_worker(args: Namespace, runner: ModelRunner, registry: BackendRegistry, req_pool: Any, eos_ids: list[int],
+                fail: Callable[[Req, str], None], crash_on_nan: bool, stats: Any) -> Worker:
+    """The plain worker, or with --speculative-algorithm the speculative worker around it."""
+    if not args.speculative_algorithm:
+        return Worker(runner, req_pool, eos_ids, fail, crash_on_nan, stats)
+    registration = registry.choose("speculative_algorithm", args.speculative_algorithm)
+    factory = registration.load_factory()
+    config = SpeculativeConfig.from_args(args, getattr(factory, "default_num_draft_tokens", 4))
+    capacity = int(getattr(args, "max_total_tokens", None) or 0) or None
+
+    def load_draft_model(path: str) -> DraftModel:
+        return EngineDraftModel(args, registry, path, capacity or runner.kv_capacity_tokens())
+
+    context = SpeculativeContext(config, runner.config.vocab_size, args, load_draft_model)
+    algorithm = factory(context)
+    logger.info("speculative decoding: %s, up to %d drafts a step", registration.name, config.max_drafts)
+    return SpeculativeWorker(runner, req_pool, eos_ids, fail, crash_on_nan, stats, algorithm, config)
+
+
+class SpeculativeWorker(Worker):
+    """Asks the algorithm for drafts for the decoding requests the scheduler booked slots for,
+    and has the plain worker verify them in the same pass."""
+
+    def __init__(self, runner: ModelRunner, req_pool: Any, eos_ids: list[int], fail: Callable[[Req, str], None],
+                 crash_on_nan: bool, stats: Any, algorithm: SpeculativeAlgorithm, config: SpeculativeConfig) -> None:
+        super().__init__(runner, req_pool, eos_ids, fail, crash_on_nan, stats)
+        self.algorithm, self.config = algorithm, config
+        self.vocab_size = runner.config.vocab_size
+
+    def draft_budget(self, req: Req) -> int:
+        # A grammar's mask after a draft needs the grammar advanced over it: such rows decode
+        # one token a step.
+        if req.grammar is not None:
+            return 0
+        # The last of a step's tokens is the target's own: drafts leave room for it.
+        room = min(req.max_new_tokens - len(req.output_ids), self.runner.context_len - req.seq_len) - 1
+        return max(0, min(self.config.max_drafts, room))
+
+    def release(self, req: Req) -> None:
+        self.algorithm.release(req.rid)
+
+    def run(self, batch: list[ScheduledReq]) -> BatchResult:
+        drafting = [item for item in batch if item.draft_budget > 0]
+        if drafting:
+            self._propose(drafting)
+        result = super().run(batch)
+        for r in result.results:
+            if r.item.drafts:
+                self.algorithm.verified(r.req, len(r.item.drafts), len(r.tokens) - 1)
+        return result
+
+    def _propose(self, items: list[ScheduledReq]) -> None:
+        try:
+            proposals = self.algorithm.propose([item.req for item in items], [item.draft_budget for item in items])
+        except Exception:
+            # Drafts only speed decoding up: without them every request still decodes.
+            logger.exception("the speculative algorithm failed to propose drafts; decoding without them")
+            return
+        for item, drafts in zip(items, proposals):
+            drafts = [int(t) for t in drafts[:item.draft_budget]]
+            if any(not 0 <= t < self.vocab_size for t in drafts):
+                drafts = drafts[:next(i for i, t in enumerate(drafts) if not 0 <= t < self.vocab_size)]
+            item.drafts = drafts
+
+
+class EngineDraftModel(DraftModel):
+    """A draft model built like the target (loaders, model and quantization plugins, dtype) with
+    a KV cache of its own, one slot a token; each request's computed tokens are kept until it
+    ends, and the least recently used requests' are dropped when the cache is full."""
+
+    def __init__(self, args: Namespace, registry: BackendRegistry, path: str, capacity_tokens: int) -> None:
+        draft_args = copy.copy(args)
+        draft_args.model_path, draft_args.quantization, draft_args.max_total_tokens = path, None, capacity_tokens
+        draft_args.json_model_override_args = None
+        self.runner = ModelRunner(draft_args, registry)
+        self.vocab_size = self.runner.config.vocab_size
+        self.allocator = PagedSlotAllocator(capacity_tokens + 1, 1)
+        self.runner.allocate_kv_cache(self.allocator.num_slots)
+        # rid -> (computed tokens, their slots), least recently used first
+        self.cached: OrderedDict[str, tuple[list[int], torch.Tensor]] = OrderedDict()
+
+    def release(self, rid: str) -> None:
+        entry = self.cached.pop(rid, None)
+        if entry is not None:
+            self.allocator.free_slots(entry[1])
+
+    def _room(self, needed: int, keep: set[str]) -> bool:
+        while self.allocator.free_tokens < needed:
+            victim = next((rid for rid in self.cached if rid not in keep), None)
+            if victim is None:
+                return False
+            self.release(victim)
+        return True
+
+    @torch.inference_mode()
+    def next_token_logits(self, requests: Sequence[tuple[str, list[int]]]) -> torch.Tensor | None:
+        plan = []
+        for rid, tokens in requests:
+            computed, slots = self.cached.pop(rid, ([], torch.empty(0, dtype=torch.int64)))
+            # Keep the computed tokens still in `tokens` (rejected drafts drop out); the last
+            # token is always computed, to give its logits.
+            keep = min(common_prefix_len(computed, tokens), len(tokens) - 1)
+            self.allocator.free_slots(slots[keep:])
+            self.cached[rid] = (computed[:keep], slots[:keep])
+            plan.append((rid, tokens, keep))
+        needed = sum(len(tokens) - keep for _, tokens, keep in plan)
+        if not self._room(needed, {rid for rid, _ in requests}):
+            return None
+        ids, positions, locs, tables = [], [], [], []
+        for rid, tokens, keep in plan:
+            new = torch.tensor(self.allocator.allocate_pages(len(tokens) - keep))
+            slots = torch.cat([self.cached[rid][1], new])
+            self.cached[rid] = (list(tokens), slots)
+            ids += tokens[keep:]
+            positions.append(torch.arange(keep, len(tokens)))
+            locs.append(new)
+            tables.append(slots)
+        width = max(t.numel() for t in tables)
+        kv_slots = torch.zeros(len(tables), width, dtype=torch.int64)
+        for i, slots in enumerate(tables):
+            kv_slots[i, :slots.numel()] = slots
+        extends = [len(tokens) - keep for _, tokens, keep in plan]
+        out = self.runner.forward(torch.tensor(ids), torch.cat(positions), torch.cat(locs), kv_slots,
+                                  [keep for _, _, keep in plan], extends, mode=ForwardMode.DRAFT_EXTEND)
+        return out.logits
+
+
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n

@@ -1,0 +1,232 @@
+"""The worker: runs a scheduled batch through the model and the sampler, and says which tokens
+each request gets (`Worker.run(batch) -> BatchResult`).
+
+The scheduler decides what runs and owns KV memory; the worker computes. A request may come with
+draft tokens (speculative decoding, `srv.engine.speculative`): its last token and drafts run as
+decode rows in the same pass (ForwardMode.TARGET_VERIFY), the sampler draws the target's token
+at every row, and `srv.sdk.speculative.accept_drafts` keeps the drafts the target agrees with.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from srv.engine.model_runner import ModelRunner
+from srv.engine.memory import ReqToTokenPool
+from srv.engine.request import Req
+from srv.sdk.attention import ForwardMode
+from srv.sdk.grammar import allocate_bitmask
+from srv.sdk.sampling import SampleOutput, SamplingBatch
+from srv.sdk.speculative import accept_drafts
+
+logger = logging.getLogger("srv.scheduler")
+
+# What a log-probability of -inf (a token the model gives no probability) is reported as.
+LOGPROB_FLOOR = -9999.0
+
+
+@dataclass(eq=False)
+class ScheduledReq:
+    """One request of a step: it feeds `token_ids[kv_len : kv_len + extend]`, then `drafts`.
+    draft_budget: the KV slots the scheduler booked past the last token, the most drafts it may
+    be given this step (0: none)."""
+
+    req: Req
+    extend: int
+    draft_budget: int = 0
+    drafts: list[int] = field(default_factory=list)
+
+
+@dataclass
+class RequestResult:
+    """What a step gave one request: its new tokens in order (empty for a prefill chunk that
+    does not reach the end of the prompt), and each token's row in the step's SampleOutput."""
+
+    item: ScheduledReq
+    tokens: list[int]
+    rows: list[int]
+
+    @property
+    def req(self) -> Req:
+        return self.item.req
+
+
+@dataclass
+class BatchResult:
+    """The step's requests that computed (those that failed are absent: the worker failed them)."""
+
+    results: list[RequestResult]
+    sample: SampleOutput | None = None
+
+
+class Worker:
+    """The plain worker: one forward pass, one sampling pass."""
+
+    def __init__(self, runner: ModelRunner, req_pool: ReqToTokenPool, eos_ids: list[int],
+                 fail: Callable[[Req, str], None], crash_on_nan: bool, stats: Any) -> None:
+        """fail(req, why) ends a request the worker cannot compute; stats counts forward_steps."""
+        self.runner, self.req_pool, self.eos_ids = runner, req_pool, eos_ids
+        self.fail, self.crash_on_nan, self.stats = fail, crash_on_nan, stats
+
+    def draft_budget(self, req: Req) -> int:
+        """How many drafts `req` may be given in its next decode step (the plain worker drafts none)."""
+        return 0
+
+    def release(self, req: Req) -> None:
+        """`req` finished or was retracted: drop whatever the worker keeps for it."""
+
+    def run(self, batch: list[ScheduledReq]) -> BatchResult:
+        batch, logits = self._forward_isolating_failures(batch)
+        if not batch:
+            return BatchResult([])
+        if self.crash_on_nan and torch.isnan(logits).any():
+            raise FloatingPointError(f"NaN in the logits of requests {[i.req.rid for i in batch]} (--crash-on-nan)")
+        return self._sample(batch, logits)
+
+    # ---- forward -------------------------------------------------------------------------
+
+    def _forward_isolating_failures(self, batch: list[ScheduledReq]) -> tuple[list[ScheduledReq], torch.Tensor]:
+        """The batch's logits; when the batch's forward raises, each request runs alone and those
+        that still raise are failed, so one bad request cannot take its batch down with it."""
+        try:
+            return batch, self._forward(batch)
+        except Exception as exc:
+            if len(batch) == 1:
+                raise
+            logger.warning("a forward pass of %d requests raised %s; running them one by one", len(batch),
+                           type(exc).__name__)
+        kept, rows = [], []
+        for item in batch:
+            try:
+                rows.append(self._forward([item]))
+                kept.append(item)
+            except Exception as exc:
+                logger.exception("request %s failed in the forward pass", item.req.rid)
+                self.fail(item.req, f"the forward pass failed: {type(exc).__name__}: {exc}")
+        return kept, torch.cat(rows) if rows else torch.empty(0)
+
+    def _forward(self, batch: list[ScheduledReq]) -> torch.Tensor:
+        """The logits of each request's last new token, then of each of its drafts, [rows, vocab];
+        prompt log-probabilities a request wants from this chunk are recorded on the way (their
+        rows come after those). A request with drafts runs as decode rows, one a position,
+        sharing its KV row: row j sees the cache up to its own position."""
+        ids: list[int] = []
+        positions, locs, table_rows, lens, prompt_rows = [], [], [], [], []
+        prefix_lens, extends = [], []
+        for item in batch:
+            req, extend = item.req, item.extend
+            tokens = req.token_ids
+            wanted = req.next_prompt_logprob
+            if wanted is not None:
+                if wanted == 0:   # the first prompt token has no log-probability
+                    req.input_logprobs.append(None)
+                    req.input_top_logprobs.append([])
+                # Position p's logits give token p + 1: (request, row in the batch, that token).
+                prompt_rows += [(req, len(ids) + p - req.kv_len, tokens[p + 1])
+                                for p in range(max(wanted - 1, req.kv_len), min(req.kv_len + extend, req.prompt_len - 1))]
+            table = self.req_pool.table[req.row]
+            if item.drafts:
+                n = 1 + len(item.drafts)
+                ids += tokens[req.kv_len: req.kv_len + 1] + item.drafts
+                positions.append(torch.arange(req.kv_len, req.kv_len + n))
+                locs.append(table[req.kv_len: req.kv_len + n])
+                table_rows += [req.row] * n
+                lens += range(req.kv_len + 1, req.kv_len + n + 1)
+                prefix_lens += range(req.kv_len, req.kv_len + n)
+                extends += [1] * n
+            else:
+                ids += tokens[req.kv_len: req.kv_len + extend]
+                positions.append(torch.arange(req.kv_len, req.kv_len + extend))
+                locs.append(table[req.kv_len: req.kv_len + extend])
+                table_rows.append(req.row)
+                lens.append(req.kv_len + extend)
+                prefix_lens.append(req.kv_len)
+                extends.append(extend)
+        lengths = torch.tensor(lens)
+        max_len = int(lengths.max())
+        # Past its own tokens a row may hold slots reserved for later ones, never written yet
+        # (or a verify row's later drafts): point them at slot 0 as ForwardBatch promises, or
+        # masked attention would read garbage.
+        kv_slots = self.req_pool.table[torch.tensor(table_rows), :max_len].masked_fill_(
+            torch.arange(max_len) >= lengths[:, None], 0)
+        logits_indices = None
+        if prompt_rows:
+            last = torch.tensor(extends).cumsum(0) - 1
+            logits_indices = torch.cat([last, torch.tensor([row for _, row, _ in prompt_rows])])
+        verify = any(item.drafts for item in batch)
+        out = self.runner.forward(torch.tensor(ids), torch.cat(positions), torch.cat(locs), kv_slots, prefix_lens,
+                                  extends, logits_indices, ForwardMode.TARGET_VERIFY if verify else None)
+        logits = out.logits
+        if prompt_rows:
+            self._record_prompt_logprobs(prompt_rows, logits[len(extends):])
+            logits = logits[:len(extends)]
+        for item in batch:
+            if not item.drafts:   # a verify pass's KV length is set by what verification accepts
+                item.req.kv_len += item.extend
+        self.stats.forward_steps += 1
+        return logits
+
+    @staticmethod
+    def _record_prompt_logprobs(rows: list[tuple[Req, int, int]], logits: torch.Tensor) -> None:
+        """The log-probability of each row's next prompt token (and the top ones, if asked),
+        appended to its request's prompt log-probabilities."""
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        top_k = max(req.params.top_logprobs for req, _, _ in rows)
+        top = torch.topk(logprobs, top_k, dim=-1) if top_k else None
+        for j, (req, _, token) in enumerate(rows):
+            req.input_logprobs.append(reportable(float(logprobs[j, token])))
+            k = req.params.top_logprobs
+            req.input_top_logprobs.append(list(zip(top.indices[j, :k].tolist(), map(reportable, top.values[j, :k].tolist())))
+                                          if top is not None and k else [])
+
+    # ---- sampling ------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def _sample(self, batch: list[ScheduledReq], logits: torch.Tensor) -> BatchResult:
+        """Sample every request whose input reached the end of what it knows, at each of its
+        rows (its last token's, then its drafts'), each row seeing the tokens before it."""
+        results, rows, params, token_ids, prompt_lens, constrained = [], [], [], [], [], []
+        row = 0
+        for item in batch:
+            req, n = item.req, 1 + len(item.drafts)
+            ready = bool(item.drafts) or req.kv_len == req.seq_len
+            if ready and req.max_new_tokens > 0:
+                results.append(RequestResult(item, [], list(range(len(params), len(params) + n))))
+                rows += range(row, row + n)
+                for j in range(n):
+                    if req.grammar is not None:
+                        constrained.append((len(params), req))
+                    params.append(req.params)
+                    token_ids.append(req.token_ids + item.drafts[:j])
+                    prompt_lens.append(req.prompt_len)
+            else:
+                results.append(RequestResult(item, [], []))
+            row += n
+        if not params:
+            return BatchResult(results)
+        mask = None
+        if constrained:
+            mask = allocate_bitmask(len(params), logits.shape[-1])
+            for j, req in constrained:
+                req.grammar.fill_bitmask(mask, j)
+        if len(rows) < logits.shape[0]:
+            logits = logits[rows]
+        sampling = SamplingBatch(params, token_ids, prompt_lens, self.eos_ids, mask)
+        sample = self.runner.sampler.sample(logits, sampling)
+        samples = sample.next_token_ids.tolist()
+        for result in results:
+            if result.rows:
+                drafts = result.item.drafts
+                result.tokens = accept_drafts([samples[j] for j in result.rows], drafts)
+                result.rows = result.rows[:len(result.tokens)]
+        return BatchResult(results, sample)
+
+
+def reportable(logprob: float) -> float:
+    """A log-probability JSON can carry (no -inf, no NaN)."""
+    return logprob if math.isfinite(logprob) else LOGPROB_FLOOR

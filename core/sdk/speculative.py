@@ -1,0 +1,169 @@
+"""Base class for speculative decoding algorithms (`--speculative-algorithm`), and what they are
+handed.
+
+An algorithm proposes draft tokens for decoding requests; srv verifies them with the served
+(target) model in one forward pass and keeps the longest prefix the target agrees with, plus
+the target's own next token. The rule (`accept_drafts`) samples the target at every draft
+position with the request's own sampler and accepts a draft while the sample equals it: with
+greedy decoding that is the target's greedy output, and with temperature > 0 it is speculative
+sampling for a deterministic proposal (accept d with probability p(d), otherwise a token from p
+without d), so the output's distribution is the target's. Drafts are chains: a request's k
+drafts are the tokens its next k steps would produce.
+
+A verify pass lays each request's last token and drafts out as decode rows (one row per
+position, each attending to its own prefix), so every attention backend that decodes verifies,
+with the decode step's arithmetic.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
+
+from srv.sdk.sampling import SamplingParams
+
+if TYPE_CHECKING:   # annotations only: the launch flags are checked without importing torch
+    import torch
+
+
+@dataclass(frozen=True)
+class NgramConfig:
+    """The `--speculative-ngram-*` flags."""
+
+    min_match_window_size: int = 1
+    max_match_window_size: int = 12
+    min_bfs_breadth: int = 1
+    max_bfs_breadth: int = 10
+    match_type: str = "BFS"         # BFS: the most recent continuation; PROB: the most frequent
+    branch_length: int = 18          # the longest continuation the index keeps per match
+    capacity: int = 10_000_000       # token positions the index holds over all requests
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """The `--speculative-*` flags, built once at launch."""
+
+    algorithm: str
+    # Tokens one verify pass feeds a request: its last token and up to num_draft_tokens - 1 drafts.
+    num_draft_tokens: int
+    num_steps: int
+    eagle_topk: int = 1
+    draft_model_path: str | None = None
+    token_map: str | None = None
+    accept_threshold_single: float = 1.0
+    accept_threshold_acc: float = 1.0
+    attention_mode: str = "prefill"
+    ngram: NgramConfig = NgramConfig()
+
+    @property
+    def max_drafts(self) -> int:
+        return self.num_draft_tokens - 1
+
+    @classmethod
+    def from_args(cls, args: Any, default_draft_tokens: int) -> SpeculativeConfig:
+        """The config of `args` (a parsed launch Namespace); `default_draft_tokens` fills
+        --speculative-num-draft-tokens when unset (each algorithm has its own default)."""
+        steps = args.speculative_num_steps
+        draft_tokens = args.speculative_num_draft_tokens
+        if draft_tokens is None:
+            draft_tokens = steps + 1 if steps else default_draft_tokens
+        if draft_tokens < 2:
+            raise ValueError("--speculative-num-draft-tokens must be at least 2 (the last token and one draft)")
+        ngram = NgramConfig(
+            args.speculative_ngram_min_match_window_size, args.speculative_ngram_max_match_window_size,
+            args.speculative_ngram_min_bfs_breadth, args.speculative_ngram_max_bfs_breadth,
+            args.speculative_ngram_match_type, args.speculative_ngram_branch_length, args.speculative_ngram_capacity)
+        if not 1 <= ngram.min_match_window_size <= ngram.max_match_window_size:
+            raise ValueError("--speculative-ngram-min-match-window-size must be between 1 and the max window size")
+        if not 1 <= ngram.min_bfs_breadth <= ngram.max_bfs_breadth:
+            raise ValueError("--speculative-ngram-min-bfs-breadth must be between 1 and the max breadth")
+        return cls(algorithm=args.speculative_algorithm, num_draft_tokens=draft_tokens,
+                   num_steps=steps or draft_tokens - 1, eagle_topk=args.speculative_eagle_topk or 1,
+                   draft_model_path=args.speculative_draft_model_path, token_map=args.speculative_token_map,
+                   accept_threshold_single=args.speculative_accept_threshold_single,
+                   accept_threshold_acc=args.speculative_accept_threshold_acc,
+                   attention_mode=args.speculative_attention_mode, ngram=ngram)
+
+
+class DraftRequest(Protocol):
+    """What an algorithm may read of a decoding request."""
+
+    rid: str
+    token_ids: list[int]        # prompt then output, every token verified
+    prompt_len: int
+    params: SamplingParams
+
+
+class DraftModel(ABC):
+    """A second model with its own KV cache, for algorithms that draft with one
+    (`SpeculativeContext.load_draft_model`). It keeps each request's computed tokens: a call
+    computes only what is new, and drops what no longer matches (rejected drafts)."""
+
+    vocab_size: int
+
+    @abstractmethod
+    def next_token_logits(self, requests: Sequence[tuple[str, list[int]]]) -> torch.Tensor | None:
+        """float32 logits [B, vocab] after each (rid, token ids), or None when the draft model's
+        cache has no room for them (the algorithm drafts nothing this step)."""
+
+    @abstractmethod
+    def release(self, rid: str) -> None:
+        """Forget a request (it finished)."""
+
+
+@dataclass
+class SpeculativeContext:
+    """What an algorithm's factory is handed: the config, the target's vocabulary size, and a
+    loader for draft models (built like the target: same dtype, loaders and model plugins)."""
+
+    config: SpeculativeConfig
+    vocab_size: int
+    server_args: Any = None
+    draft_model_loader: Any = None   # Callable[[str], DraftModel]
+
+    def load_draft_model(self, path: str) -> DraftModel:
+        if self.draft_model_loader is None:
+            raise RuntimeError("this engine cannot load draft models")
+        return self.draft_model_loader(path)
+
+
+class SpeculativeAlgorithm(ABC):
+    """Proposes drafts; srv verifies them (see the module docstring).
+
+    factory(context: SpeculativeContext) -> SpeculativeAlgorithm
+    """
+
+    #: The tokens a verify pass feeds a request by default (the last token and the drafts),
+    #: when --speculative-num-draft-tokens and --speculative-num-steps are unset.
+    default_num_draft_tokens: int = 4
+
+    def __init__(self, context: SpeculativeContext) -> None:
+        self.context = context
+        self.config = context.config
+
+    @abstractmethod
+    def propose(self, requests: Sequence[DraftRequest], budgets: Sequence[int]) -> list[list[int]]:
+        """Up to budgets[i] draft tokens for requests[i] (fewer, or none, when unsure)."""
+
+    def verified(self, request: DraftRequest, proposed: int, accepted: int) -> None:
+        """After a verify pass: `accepted` of the `proposed` drafts held, and request.token_ids
+        holds every token now verified."""
+
+    def release(self, rid: str) -> None:
+        """The request finished (or was aborted): drop what was kept for it."""
+
+
+def accept_drafts(samples: Sequence[int], drafts: Sequence[int]) -> list[int]:
+    """The tokens a verify pass appends: the drafts while the target's sample at each position
+    equals them, then the target's sample at the first position that differs (or after the
+    last draft). samples has len(drafts) + 1 entries."""
+    if len(samples) != len(drafts) + 1:
+        raise ValueError(f"{len(samples)} samples for {len(drafts)} drafts: one more sample than drafts is needed")
+    out = []
+    for sample, draft in zip(samples, drafts):
+        out.append(sample)
+        if sample != draft:
+            return out
+    out.append(samples[-1])
+    return out

@@ -1,0 +1,194 @@
+"""Speculative decoding: greedy output with each algorithm is the output without it (and
+transformers'), token for token; sampling keeps the target's distribution; rejected drafts
+leave nothing behind in the KV memory or the prefix cache."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+import srv
+from srv.sdk.speculative import accept_drafts
+from srv.sdk.testing import SpeculativeAlgorithmKit, hf_greedy, random_prompts, tiny_llama, write_tiny_llama
+from srv.sdk.testing.speculative import repeating_prompts
+from test_engine import assert_all_kv_returned, assert_matches_hf, make_engine
+from test_engine import random_prompts as vocab_prompts
+
+GREEDY = {"max_new_tokens": 32, "temperature": 0}
+
+CODE = ("def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\n"
+        "def factorial(n):\n    result = 1\n    for i in range(2, n + 1):\n        result *= i\n    return result\n")
+EDIT = [{"role": "user", "content": "Rename the function fibonacci to fib and repeat the whole code:\n\n" + CODE}]
+
+
+class TestNgramKit(SpeculativeAlgorithmKit):
+    backend_name = "NGRAM"
+
+
+class TestStandaloneKit(SpeculativeAlgorithmKit):
+    """The target as its own draft model."""
+
+    backend_name = "STANDALONE"
+
+    @classmethod
+    def launch_flags(cls, model_dir: Path) -> dict:
+        return {"speculative_draft_model_path": str(model_dir)}
+
+
+def test_accept_drafts_keeps_the_agreeing_prefix_and_the_targets_token():
+    assert accept_drafts([5, 6, 7], [5, 6]) == [5, 6, 7]
+    assert accept_drafts([5, 9, 7], [5, 6]) == [5, 9]
+    assert accept_drafts([4, 6, 7], [5, 6]) == [4]
+    assert accept_drafts([3], []) == [3]
+    with pytest.raises(ValueError):
+        accept_drafts([1, 2], [1, 2])
+
+
+def test_ngram_default_model_matches_hf(default_model_dir):
+    """The default model with NGRAM: a code edit (drafts that hold) and ordinary prompts, alone and
+    batched, each HF's greedy output; most proposed drafts hold on the edit."""
+    from test_engine import PROMPTS
+
+    with make_engine(default_model_dir, speculative_algorithm="NGRAM") as engine:
+        edit = engine.tokenizer.apply_chat_template(EDIT, add_generation_prompt=True, tokenize=False)
+        prompts = [edit] + PROMPTS[:3]
+        ids = [engine.tokenizer.encode(p) for p in prompts]
+        single = engine.generate(input_ids=ids[0], sampling_params=GREEDY)
+        stats = engine.scheduler.stats
+        assert stats.spec_accept_length > 1.5, vars(stats)
+        batched = engine.generate(input_ids=ids, sampling_params=GREEDY)
+        assert_matches_hf(engine, default_model_dir, [ids[0]] + ids, [single] + batched)
+        assert_all_kv_returned(engine)
+
+
+@pytest.mark.parametrize("attention", ["torch_native", "intel_amx"])
+def test_ngram_tiny_llama_chunked_prefill_and_prefix_hits(tiny_models, attention):
+    prompts = [p + p for p in vocab_prompts(4, seed=7)]
+    with make_engine(tiny_models["llama"], speculative_algorithm="NGRAM", attention_backend=attention,
+                     chunked_prefill_size=16, page_size=4) as engine:
+        first = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+        again = engine.generate(input_ids=[p + [5] for p in prompts], sampling_params=GREEDY)
+        assert sum(r["meta_info"]["cached_tokens"] for r in again) > 0
+        assert engine.scheduler.stats.spec_draft_tokens > 0
+        assert_matches_hf(engine, tiny_models["llama"], prompts + [p + [5] for p in prompts], first + again)
+        assert_cache_holds_only_verified_tokens(engine, prompts + [p + [5] for p in prompts], first + again)
+        assert_all_kv_returned(engine)
+
+
+def assert_cache_holds_only_verified_tokens(engine: srv.Engine, prompts: list[list[int]], results: list[dict]) -> None:
+    """Every path of the prefix cache is a prefix of some request's prompt and output."""
+    sequences = [p + r["output_ids"] for p, r in zip(prompts, results)]
+    tree = engine.scheduler.tree
+    stack = [(tree.root, [])]
+    while stack:
+        node, path = stack.pop()
+        for child in node.children.values():
+            tokens = path + list(child.key)
+            assert any(s[:len(tokens)] == tokens for s in sequences), f"cached tokens {tokens[-8:]} no request verified"
+            stack.append((child, tokens))
+
+
+def test_ngram_retraction_under_memory_pressure(tiny_models):
+    prompts = [p + p for p in vocab_prompts(8, seed=4)]
+    with make_engine(tiny_models["llama"], speculative_algorithm="NGRAM", max_total_tokens=260,
+                     chunked_prefill_size=64, schedule_conservativeness=0) as engine:
+        results = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+        assert engine.scheduler.stats.retractions > 0
+        assert_matches_hf(engine, tiny_models["llama"], prompts, results)
+        assert_all_kv_returned(engine)
+
+
+def test_standalone_draft_of_other_weights_is_still_exact(tiny_models):
+    """A draft with unrelated weights (same vocabulary): few drafts hold, the output is unchanged."""
+    prompts = vocab_prompts(4, seed=8)
+    with make_engine(tiny_models["llama"], speculative_algorithm="STANDALONE",
+                     speculative_draft_model_path=str(tiny_models["qwen2"]), speculative_num_steps=3) as engine:
+        results = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+        stats = engine.scheduler.stats
+        assert stats.spec_draft_tokens > 0
+        assert (stats.spec_accepted_tokens - stats.spec_verifies) < 0.3 * stats.spec_draft_tokens, vars(stats)
+        assert_matches_hf(engine, tiny_models["llama"], prompts, results)
+        assert_all_kv_returned(engine)
+
+
+def test_standalone_target_as_draft_accepts_every_draft(srv_tiny_model_dir):
+    with srv.Engine(model_path=str(srv_tiny_model_dir), dtype="float32", speculative_algorithm="STANDALONE",
+                    speculative_draft_model_path=str(srv_tiny_model_dir), speculative_num_draft_tokens=4) as engine:
+        prompts = random_prompts([5, 12, 30])
+        results = engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": 24, "temperature": 0,
+                                                                       "ignore_eos": True})
+        stats = engine.scheduler.stats
+        assert stats.spec_accepted_tokens - stats.spec_verifies == stats.spec_draft_tokens > 0, vars(stats)
+        for prompt, result in zip(prompts, results):
+            assert result["output_ids"] == hf_greedy(tiny_llama(), prompt, 24)
+
+
+def chi_square_homogeneity(a: list[int], b: list[int], bins: int = 6) -> tuple[float, int]:
+    """Pearson's statistic that samples a and b come from one distribution, over the most common
+    values (the rest pooled), and its degrees of freedom."""
+    from collections import Counter
+
+    common = [v for v, _ in Counter(a + b).most_common(bins - 1)]
+    def counts(xs):
+        c = Counter(x if x in common else -1 for x in xs)
+        return [c[v] for v in common + [-1]]
+    ca, cb = counts(a), counts(b)
+    stat = 0.0
+    for x, y in zip(ca, cb):
+        total = x + y
+        if total:
+            for observed, n in ((x, len(a)), (y, len(b))):
+                expected = total * n / (len(a) + len(b))
+                stat += (observed - expected) ** 2 / expected
+    return stat, sum(1 for x, y in zip(ca, cb) if x + y) - 1
+
+
+# The chi-square distribution's 0.999 quantiles, by degrees of freedom.
+CHI2_999 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52}
+
+
+def test_sampling_keeps_the_targets_distribution(srv_tiny_model_dir):
+    """Temperature 1: the token at a position drafts are verified for is distributed as without
+    speculation (chi-square, a fixed seed: the same draw every run). The drafts are the target's
+    own greedy tokens (STANDALONE, the target as draft), so they are accepted often and rejected
+    often."""
+    prompt = random_prompts([6], seed=3)[0] * 3
+    params = {"max_new_tokens": 4, "temperature": 1.0, "top_k": 8, "ignore_eos": True}
+    samples = {}
+    for spec in (None, "STANDALONE"):
+        flags = {"speculative_algorithm": spec, "speculative_draft_model_path": str(srv_tiny_model_dir)} if spec else {}
+        with srv.Engine(model_path=str(srv_tiny_model_dir), dtype="float32", **flags) as engine:
+            torch.manual_seed(0)
+            results = engine.generate(input_ids=[prompt] * 300, sampling_params=params)
+            samples[spec] = [r["output_ids"][3] for r in results]
+            if spec:
+                stats = engine.scheduler.stats
+                accepted = stats.spec_accepted_tokens - stats.spec_verifies
+                assert 0.2 * stats.spec_draft_tokens < accepted < 0.8 * stats.spec_draft_tokens, vars(stats)
+    stat, df = chi_square_homogeneity(samples[None], samples["STANDALONE"])
+    assert stat < CHI2_999[df], (stat, df)
+
+
+def test_seeded_sampling_is_the_same_with_and_without_speculation(srv_tiny_model_dir):
+    """A seeded request draws each position's token from (seed, position): drafts or not, the
+    same tokens."""
+    prompt = random_prompts([6], seed=3)[0] * 3
+    params = [{"max_new_tokens": 12, "temperature": 0.8, "seed": s, "ignore_eos": True} for s in range(8)]
+    outputs = []
+    for flags in ({}, {"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": str(srv_tiny_model_dir)}):
+        with srv.Engine(model_path=str(srv_tiny_model_dir), dtype="float32", **flags) as engine:
+            outputs.append([r["output_ids"] for r in engine.generate(input_ids=[prompt] * 8, sampling_params=params)])
+    assert outputs[0] == outputs[1]
+
+
+def test_speculative_flags_refused_by_name():
+    from conftest import run_srv
+
+    for flags, message in [(["--speculative-eagle-topk", "4"], "tree drafts"),
+                           (["--speculative-accept-threshold-acc", "0.5"], "--speculative-accept-threshold-acc"),
+                           (["--speculative-num-draft-tokens", "1"], "at least 2")]:
+        result = run_srv("launch", "--speculative-algorithm", "NGRAM", *flags)
+        assert result.returncode != 0 and message in result.stderr, result.stderr
