@@ -73,6 +73,14 @@ def cpu_hog(wanted: bool) -> Iterator[None]:
         hog.wait()
 
 
+def accept_length(base_url: str) -> float:
+    """The server's mean accepted tokens per verify step so far (SGLang's avg_spec_accept_length)."""
+    import httpx
+
+    info = httpx.get(f"{base_url}/get_server_info", timeout=30).json()
+    return float(info["internal_states"][0]["avg_spec_accept_length"])
+
+
 def measure_server(engine: Engine, server: ServerProcess, workloads: list[Workload], rep: int, config: str,
                    fresh_connections: bool, with_launch: bool) -> list[Run]:
     """Launch `server` (timing W4 when `with_launch`), run `workloads` against it, stop it."""
@@ -88,7 +96,10 @@ def measure_server(engine: Engine, server: ServerProcess, workloads: list[Worklo
                 engine.load_commands.append(line)
             with cpu_hog(workload.hog):
                 result = run_load(command, f"{engine.name} {workload.name}")
-            runs.append(Run(engine.name, rep, workload.name, serve_metrics(result), config))
+            metrics = serve_metrics(result)
+            if workload.speculative:
+                metrics["spec_accept_length"] = accept_length(server.base_url)
+            runs.append(Run(engine.name, rep, workload.name, metrics, config))
             logger.info("%s rep %d %s: %.1f output tok/s, TTFT p50 %.0f ms, TPOT p50 %.1f ms", engine.name, rep,
                         workload.name, result["output_throughput"], result["ttft_median_s"] * 1e3,
                         result["tpot_median_s"] * 1e3)

@@ -18,12 +18,14 @@ SRV = str(Path(sys.executable).with_name("srv"))
 
 
 def load_command(base_url: str, workload: Workload, tokenizer: Path, fresh_connections: bool) -> list[str]:
-    command = [SRV, "bench", "serve", "--base-url", base_url, "--endpoint", "completions",
+    command = [SRV, "bench", "serve", "--base-url", base_url, "--endpoint", workload.endpoint,
                "--concurrency", str(workload.concurrency), "--num-prompts", str(workload.num_prompts),
                "--input-len", str(workload.input_len), "--output-len", str(workload.output_len),
                "--tokenizer", str(tokenizer), "--json", "--disable-tqdm"]
     if workload.shared_prefix_len:
         command += ["--shared-prefix-len", str(workload.shared_prefix_len)]
+    if workload.instruction:
+        command += ["--instruction", workload.instruction]
     if fresh_connections:
         command.append("--fresh-connections")
     return command

@@ -5,11 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.grammar_cost import REGEX, mask_cost_rows
+from benchmarks.grammar_cost import PAIRS, REGEX, mask_cost_rows
 from benchmarks.results import LAUNCH, BenchResults, Run
 from benchmarks.stats import median, medians, ratio, repetition_ratios
 from benchmarks.workloads import (INPUT_LEN, OUTPUT_LEN, SHARED_PREFIX_LEN, STEADY_REQUESTS_PER_CLIENT, SWEEP, W1,
-                                  W1_CONCURRENCY, W1_HOG, W2, W2_CONCURRENCY, W2_STEADY, W3, sweep_name, workloads)
+                                  W1_CONCURRENCY, W1_HOG, W2, W2_CONCURRENCY, W2_STEADY, W3, W3_NGRAM, W5, W5_NGRAM,
+                                  sweep_name, workloads)
 
 NOTES_BEGIN = "<!-- notes:begin (kept by `make bench`) -->"
 NOTES_END = "<!-- notes:end -->"
@@ -39,6 +40,7 @@ ROWS = (
         W2_STEADY, "ttft_median_s", "TTFT p50 ms ↓", 1e3, 0),
     Row(f"W1 beside a hog: W1 while a process spins on one core", W1_HOG, "output_throughput", "output tok/s ↑"),
     Row(f"W3: 1 stream, {INPUT_LEN} in / {OUTPUT_LEN} out", W3, "tpot_median_s", "decode ms/token ↓", 1e3, 2),
+    Row(f"W5: 1 stream repeating its {INPUT_LEN}-word input (chat)", W5, "tpot_median_s", "decode ms/token ↓", 1e3, 2),
     Row("W4: launch to first token (warm caches)", LAUNCH, "launch_to_first_token_s", "seconds ↓", 1.0, 2, "²"),
 )
 
@@ -101,10 +103,13 @@ def workloads_table(quick: bool) -> list[str]:
         arrival = ("all at once" if waves == 1 else
                    f"{workload.concurrency} clients, each sending its next request when its last ends")
         prompt = (f"{workload.shared_prefix_len}-token shared prefix + " if workload.shared_prefix_len else "") + \
+            (f"chat: \"{workload.instruction}\" + " if workload.instruction else "") + \
             f"{workload.input_len} tokens in, {workload.output_len} out"
+        server = "srv `--speculative-algorithm NGRAM`" if workload.speculative else ""
         rows.append([workload.name, str(workload.num_prompts), str(workload.concurrency), arrival, prompt,
-                     "a process spins on one core" if workload.hog else ""])
-    return md_table(["workload", "requests", "clients", "arrival", "each request", "machine"], rows, "lrrlll")
+                     "a process spins on one core" if workload.hog else "", server])
+    return md_table(["workload", "requests", "clients", "arrival", "each request", "machine", "served by"], rows,
+                    "lrrllll")
 
 
 def repetition_table(results: BenchResults) -> list[str]:
@@ -221,10 +226,38 @@ def grammar_section(results: BenchResults) -> list[str]:
     return ["### Constrained decoding: mask cost per token", "",
             f"srv with each `--grammar-backend`, W1's load ({W1_CONCURRENCY} concurrent, {INPUT_LEN} in / "
             f"{OUTPUT_LEN} out) served free, then with every request constrained by the regex `{REGEX}` "
-            "(`--extra-body`), one run each. The extra time per decode step is shared by the "
+            f"(`--extra-body`), in {PAIRS} pairs of runs alternating on one server; medians over the pairs, and "
+            "the spread of the per-pair difference. The extra time per decode step is shared by the "
             f"{W1_CONCURRENCY} requests of the step.", "",
-            *md_table(["backend", "TPOT p50 free, ms", "TPOT p50 constrained, ms", "extra per token, µs"],
-                      [[b, fmt(f), fmt(c), fmt(d, 0)] for b, f, c, d in rows], "lrrr"), ""]
+            *md_table(["backend", "TPOT p50 free, ms", "TPOT p50 constrained, ms", "extra per token, µs",
+                       "lowest, highest pair"],
+                      [[b, fmt(f), fmt(c), fmt(d, 0), f"{fmt(lo, 0)}, {fmt(hi, 0)}"] for b, f, c, d, lo, hi in rows],
+                      "lrrrr"), ""]
+
+
+def speculative_section(results: BenchResults) -> list[str]:
+    """srv with NGRAM on W5 and W3 against srv's default and the peers, within each repetition."""
+    runs = results.runs
+    rows = []
+    for label, theirs, workload, their_workload in (
+            ("W5 with NGRAM / W5 srv default", SRV, W5_NGRAM, W5),
+            *((f"W5 with NGRAM / W5 {p}", p, W5_NGRAM, W5) for p in results.engines if p not in (SRV, "hf")),
+            ("W3 with NGRAM / W3 srv default", SRV, W3_NGRAM, W3)):
+        ratios = repetition_ratios(runs, SRV, theirs, workload, "tpot_median_s", their_workload)
+        if ratios:
+            rows.append([label, ", ".join(f"{r:#.3g}" for r in ratios), f"{median(ratios):#.3g}×"])
+    if not rows:
+        return []
+    accept = {w: [r.metrics["spec_accept_length"] for r in runs if r.workload == w and "spec_accept_length" in r.metrics]
+              for w in (W5_NGRAM, W3_NGRAM)}
+    return ["### Speculative decoding (NGRAM)", "",
+            "srv launched with `--speculative-algorithm NGRAM` (nothing else) serves W5 and W3 after its default "
+            "server's runs; decode ms/token as a ratio, within each repetition (below 1× NGRAM is faster).", "",
+            *md_table(["decode ms/token", "by repetition", "median"], rows, "lrr"), "",
+            "Mean accepted tokens per verify step (the target's own token included; the server's "
+            "`avg_spec_accept_length` after the workload): "
+            + "; ".join(f"{w}: {', '.join(f'{a:.2f}' for a in values)}" for w, values in accept.items() if values)
+            + ".", ""]
 
 
 def render(results: BenchResults, plot: str, notes: str) -> str:
@@ -267,6 +300,7 @@ def render(results: BenchResults, plot: str, notes: str) -> str:
               f"Output tokens/s at each concurrency ({INPUT_LEN} in / {OUTPUT_LEN} out; HF: batch size). The "
               f"{W1_CONCURRENCY}-stream point is W1's runs, the 1-stream point W3's.", "",
               *sweep_table(results), "",
+              *speculative_section(results),
               *grammar_section(results),
               *machine_section(results), "",
               *limits_section(results), "",

@@ -11,6 +11,7 @@ from benchmarks.engine import Engine, measure_server, shell_line
 from benchmarks.load import SRV
 from benchmarks.results import Run
 from benchmarks.servers import ServerProcess, free_port
+from benchmarks.workloads import NGRAM_FLAGS
 
 logger = logging.getLogger("benchmarks")
 
@@ -19,9 +20,10 @@ logger = logging.getLogger("benchmarks")
 class SrvEngine(Engine):
     name = "srv"
 
-    def server(self, tag: str) -> ServerProcess:
+    def server(self, tag: str, *flags: str) -> ServerProcess:
         port = free_port()
-        return ServerProcess(self.name, self.command(str(port)), port, self.context.log_dir / f"srv-{tag}.log")
+        return ServerProcess(self.name, self.command(str(port)) + list(flags), port,
+                             self.context.log_dir / f"srv-{tag}.log")
 
     @staticmethod
     def command(port: str) -> list[str]:
@@ -30,12 +32,16 @@ class SrvEngine(Engine):
     def prepare(self) -> None:
         self.version = f"srv {importlib.metadata.version('srv')}, this checkout"
         self.chosen = "no flags: srv's defaults (the file's own Q4_1/Q8_0 weights, `--dtype auto`)"
-        self.server_commands = [shell_line(self.command("PORT"))]
+        self.server_commands = [shell_line(self.command("PORT")), shell_line(self.command("PORT") + list(NGRAM_FLAGS))]
         # A first launch fills what a warm start reuses (the dequantized GGUF, the page cache).
         with self.server("prime") as server:
             logger.info("srv: priming launch")
             server.launch_to_first_token()
 
     def run_rep(self, rep: int) -> list[Run]:
-        return measure_server(self, self.server(f"rep{rep}"), self.context.workloads, rep, "",
-                              fresh_connections=False, with_launch=True)
+        plain = [w for w in self.context.workloads if not w.speculative]
+        speculative = [w for w in self.context.workloads if w.speculative]
+        runs = measure_server(self, self.server(f"rep{rep}"), plain, rep, "", fresh_connections=False,
+                              with_launch=True)
+        return runs + measure_server(self, self.server(f"rep{rep}-ngram", *NGRAM_FLAGS), speculative, rep,
+                                     " ".join(NGRAM_FLAGS), fresh_connections=False, with_launch=False)

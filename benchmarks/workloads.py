@@ -11,6 +11,10 @@ W2 shares a 512-token prefix: as a burst (16 clients start at once, one request 
 minutes of a new system prompt) and steady (16 clients, three requests each, each client sending
 its next when its last ends: the shape a served system prompt sees most of the time). W1 beside a
 hog is W1 while another process keeps one of the machine's cores busy, as on a shared machine.
+
+W5 is one stream whose output repeats its input (a chat request to repeat 128 words): what n-gram
+speculative decoding is for. It and W3 run once more on srv with `--speculative-algorithm NGRAM`
+(workloads named `-ngram`), the rows that compare speculation with srv's default.
 """
 
 from __future__ import annotations
@@ -35,6 +39,9 @@ class Workload:
     output_len: int = OUTPUT_LEN
     shared_prefix_len: int = 0
     hog: bool = False          # a busy process on one core while it runs
+    endpoint: str = "completions"
+    instruction: str = ""      # before each prompt's words (srv bench serve --instruction)
+    speculative: bool = False  # served by srv with --speculative-algorithm NGRAM, not by the peers
 
     @property
     def context_tokens(self) -> int:
@@ -61,6 +68,11 @@ W2 = f"prefix{W2_CONCURRENCY}"
 W2_STEADY = f"{W2}-steady"
 W1_HOG = f"{W1}-hog"
 STEADY_REQUESTS_PER_CLIENT = 3
+W5 = "repeat"
+W5_NGRAM = f"{W5}-ngram"
+W3_NGRAM = f"{W3}-ngram"
+REPEAT_INSTRUCTION = "Repeat this text exactly:"
+NGRAM_FLAGS = ("--speculative-algorithm", "NGRAM")
 
 
 # What a peer's candidate configurations are compared on: one wave of W1.
@@ -69,10 +81,14 @@ PROBE = Workload("probe", W1_CONCURRENCY, W1_CONCURRENCY)
 
 def workloads(quick: bool) -> list[Workload]:
     """The sweep in increasing concurrency, the shared-prefix workload (burst, then steady), W1
-    beside a hog."""
+    beside a hog, W5; then W3 and W5 again for srv with NGRAM."""
     sweep = [Workload(sweep_name(c), c, num_prompts(c, quick)) for c in SWEEP]
     burst = Workload(W2, W2_CONCURRENCY, num_prompts(W2_CONCURRENCY, quick), shared_prefix_len=SHARED_PREFIX_LEN)
     steady = Workload(W2_STEADY, W2_CONCURRENCY, W2_CONCURRENCY * (1 if quick else STEADY_REQUESTS_PER_CLIENT),
                       shared_prefix_len=SHARED_PREFIX_LEN)
     hog = Workload(W1_HOG, W1_CONCURRENCY, num_prompts(W1_CONCURRENCY, quick), hog=True)
-    return sweep + [burst, steady, hog]
+    repeat = Workload(W5, 1, num_prompts(1, quick), endpoint="chat", instruction=REPEAT_INSTRUCTION)
+    speculative = [Workload(W3_NGRAM, 1, num_prompts(1, quick), speculative=True),
+                   Workload(W5_NGRAM, 1, num_prompts(1, quick), endpoint="chat", instruction=REPEAT_INSTRUCTION,
+                            speculative=True)]
+    return sweep + [burst, steady, hog, repeat] + speculative

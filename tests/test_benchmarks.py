@@ -45,6 +45,10 @@ def fake_results() -> BenchResults:
             for c, tok_s in speeds.items():
                 runs.append(Run(engine, rep, f"c{c}", serve_metrics(tok_s * scale, tpot=1 / speeds[1] * scale)))
             runs.append(Run(engine, rep, W2, serve_metrics(300.0 * scale, ttft=0.2 * scale)))
+        runs.append(Run("srv", rep, "repeat", serve_metrics(50.0, tpot=0.020 * scale)))
+        runs.append(Run("llama.cpp", rep, "repeat", serve_metrics(50.0, tpot=0.010 * scale)))
+        runs.append(Run("srv", rep, "repeat-ngram", {**serve_metrics(50.0, tpot=0.008 * scale),
+                                                     "spec_accept_length": 3.5}))
     # A run that lost requests must not move the medians.
     runs.append(Run("srv", 4, W1, serve_metrics(1.0, failed=3)))
     limits = measure_limits(1_000_000, LimitSizes(bandwidth_bytes=1 << 20, matmul_k=32, matmul_n=32, seconds=0.0))
@@ -60,11 +64,14 @@ def fake_results() -> BenchResults:
 
 def test_workloads_reuse_the_sweep_for_w1_and_w3():
     names = [w.name for w in workloads(quick=False)]
-    assert names == ["c1", "c4", "c16", "c64", "prefix16", "prefix16-steady", "c16-hog"]
+    assert names == ["c1", "c4", "c16", "c64", "prefix16", "prefix16-steady", "c16-hog", "repeat", "c1-ngram",
+                     "repeat-ngram"]
     assert W1 == "c16" and W3 == "c1" and W2 == "prefix16"
     assert [num_prompts(c, False) for c in (1, 4, 16, 64)] == [4, 8, 16, 64]
     assert [num_prompts(c, True) for c in (1, 4, 16, 64)] == [2, 4, 16, 64]
-    burst, steady, hog = workloads(quick=False)[-3:]
+    burst, steady, hog, repeat, w3_ngram, repeat_ngram = workloads(quick=False)[-6:]
+    assert repeat.endpoint == repeat_ngram.endpoint == "chat" and repeat.instruction == repeat_ngram.instruction
+    assert w3_ngram.speculative and repeat_ngram.speculative and not repeat.speculative
     assert burst.shared_prefix_len == steady.shared_prefix_len == 512 and burst.context_tokens == 768
     assert (burst.num_prompts, steady.num_prompts, steady.concurrency) == (16, 48, 16)
     assert hog.hog and not burst.hog and (hog.concurrency, hog.num_prompts) == (16, 16)
@@ -96,14 +103,14 @@ def test_repetition_ratios_pair_each_repetition_and_skip_failed_runs():
 def test_llama_slots_give_every_stream_room():
     groups = slot_configs(workloads(quick=False))
     assert [[w.name for w in ws] for ws in groups.values()] == [
-        ["c1", "c4", "c16", "prefix16", "prefix16-steady", "c16-hog"], ["c64"]]
+        ["c1", "c4", "c16", "prefix16", "prefix16-steady", "c16-hog", "repeat"], ["c64"]]
     small, large = groups
     assert small == SlotConfig(16, BASE_CTX)
     assert large.slots == 64 and large.ctx >= 64 * 256
 
 
 def test_load_command_for_llama_server():
-    prefix = workloads(quick=True)[-3]
+    prefix = next(w for w in workloads(quick=True) if w.name == W2)
     command = load_command("http://127.0.0.1:1234", prefix, ROOT / "tok", fresh_connections=True)
     assert command[1:3] == ["bench", "serve"]
     for flag, value in (("--concurrency", "16"), ("--shared-prefix-len", "512"), ("--tokenizer", str(ROOT / "tok"))):
@@ -148,7 +155,11 @@ def test_report_has_the_medians_ratios_and_keeps_the_notes(tmp_path):
     w1 = next(line for line in by_rep.splitlines() if line.startswith("| W1:"))
     assert "| 0.800, 0.800, 0.800 | 0.800× | 2.00, 2.00, 2.00 | 2.00× |" in w1
     assert "Test CPU" in text and "exited with -4" in text
-    assert text.count("\n| srv | ") == 3 * 6 + 1                    # every run, the failed one too
+    assert text.count("\n| srv | ") == 3 * 8 + 1                    # every run, the failed one too
+    speculative = text.split("### Speculative decoding (NGRAM)", 1)[1]
+    assert "| W5 with NGRAM / W5 srv default | 0.400, 0.400, 0.400 | 0.400× |" in speculative
+    assert "| W5 with NGRAM / W5 llama.cpp | 0.800, 0.800, 0.800 | 0.800× |" in speculative
+    assert "repeat-ngram: 3.50, 3.50, 3.50" in speculative
     assert "A human wrote this." in text and "old" not in text.split("# Benchmarks")[0]
     write_report(results, report, plot)                              # regenerating keeps the notes once
     assert report.read_text().count("A human wrote this.") == 1

@@ -21,8 +21,10 @@ from srv.sdk.attention import AttentionBackend
 from srv.sdk.cache import EvictionPolicy
 from srv.sdk.scheduling import SchedulePolicy
 import test_grammar_backends
+import test_speculative
 from srv.sdk.testing import (AttentionBackendKit, EvictionPolicyKit, GrammarBackendKit, ModelImplKit, ModelLoaderKit,
-                             QuantizationMethodKit, SamplerKit, SchedulePolicyKit, ToolCallParserKit, hf_greedy,
+                             QuantizationMethodKit, SamplerKit, SchedulePolicyKit, SpeculativeAlgorithmKit,
+                             ToolCallParserKit, hf_greedy,
                              registered_temporarily, tiny_llama, write_tiny_llama)
 from srv.plugins.quantization.gguf import GGUFLinear, GGUFQuantization
 
@@ -136,15 +138,15 @@ class TestGGUFQuantizationQ8_0(QuantizationMethodKit):
 KIT_FAMILIES = {AttentionBackendKit: "attention", SamplerKit: "sampling", EvictionPolicyKit: "eviction_policy",
                 SchedulePolicyKit: "schedule_policy", ModelLoaderKit: "load_format", ModelImplKit: "model_impl",
                 GrammarBackendKit: "grammar", ToolCallParserKit: "tool_call_parser",
-                QuantizationMethodKit: "quantization"}
+                QuantizationMethodKit: "quantization", SpeculativeAlgorithmKit: "speculative_algorithm"}
 NOT_KIT_TESTED = {("load_format", "gguf"): "needs a GGUF writer for make_checkpoint (tests/test_gguf_convert.py)",
                   ("load_format", "dummy"): "random weights by design: nothing to compare with transformers",
                   ("grammar", "none"): "refuses every grammar by design (tests/test_structured_output.py)"}
 
 
 def test_every_builtin_backend_of_a_kit_family_is_tested():
-    # The grammar backends' kit classes live beside their other tests.
-    classes = [*globals().values(), *vars(test_grammar_backends).values()]
+    # The grammar backends' and speculative algorithms' kit classes live beside their other tests.
+    classes = [*globals().values(), *vars(test_grammar_backends).values(), *vars(test_speculative).values()]
     tested = {(family, cls.backend_name) for cls in classes if isinstance(cls, type)
               and cls.__name__.startswith("Test") for kit_class, family in KIT_FAMILIES.items()
               if issubclass(cls, kit_class)}

@@ -41,6 +41,7 @@ class ServeConfig:
     output_len: int = 128
     range_ratio: float = 1.0
     shared_prefix_len: int = 0
+    instruction: str = ""      # put before every prompt's words, on a line of its own
     seed: int = 0
     warmup_requests: int = 1
     fresh_connections: bool = False
@@ -58,10 +59,11 @@ def request_body(config: ServeConfig, model: str | None, prompt: Prompt) -> dict
     body.update(config.extra_body)
     if model is not None:
         body["model"] = model
+    text = f"{config.instruction}\n\n{prompt.text}" if config.instruction else prompt.text
     if config.endpoint == "chat":
-        body["messages"] = [{"role": "user", "content": prompt.text}]
+        body["messages"] = [{"role": "user", "content": text}]
     else:
-        body["prompt"] = prompt.text
+        body["prompt"] = text
     return body
 
 
@@ -220,6 +222,7 @@ class Benchmark:
             "base_url": config.base_url, "endpoint": config.endpoint, "model": model,
             "num_prompts": config.num_prompts, "input_len": config.input_len, "output_len": config.output_len,
             "range_ratio": config.range_ratio, "shared_prefix_len": config.shared_prefix_len,
+            "instruction": config.instruction,
             # JSON has no infinity: null means every request is sent at once.
             "request_rate": None if math.isinf(config.request_rate) else config.request_rate,
             "concurrency": config.concurrency, "fresh_connections": config.fresh_connections,

@@ -18,6 +18,7 @@ KITS = {
     "attention": ("AttentionBackendKit", "An attention backend"),
     "eviction_policy": ("EvictionPolicyKit", "A prefix-cache eviction policy"),
     "schedule_policy": ("SchedulePolicyKit", "A request scheduling policy"),
+    "speculative_algorithm": ("SpeculativeAlgorithmKit", "A speculative decoding algorithm"),
 }
 
 

@@ -110,6 +110,19 @@ def make_case(shape: BatchShape, num_heads: int = 8, num_kv_heads: int = 2, head
               randn(tokens, num_kv_heads, head_dim)) for _ in range(NUM_LAYERS)])
 
 
+def verify_case(dtype: torch.dtype = torch.float32, seed: int = 0) -> AttentionCase:
+    """A speculative verify pass (ForwardMode.TARGET_VERIFY): a request's last token and three
+    drafts as four decode rows over one slot table, row j seeing the cache up to its own
+    position (the keys and values of the rows before it included), beside a plain decode row."""
+    case = make_case(BatchShape([20, 21, 22, 23, 9], [1, 1, 1, 1, 1]), dtype=dtype, seed=seed)
+    table = case.kv_slots[3, :24].clone()
+    for j in range(4):
+        case.kv_slots[j] = 0
+        case.kv_slots[j, :21 + j] = table[:21 + j]
+    case.out_cache_loc[:4] = table[20:24]
+    return case
+
+
 def run(backend: AttentionBackend, case: AttentionCase, dtype: torch.dtype) -> tuple[list[torch.Tensor], ForwardBatch]:
     """As the model runner does: `prepare` once for the batch, then `forward` for every layer."""
     batch = case.batch(backend, dtype)
@@ -164,6 +177,11 @@ class AttentionBackendKit:
     def test_ragged_batches_match_reference(self, kind: str) -> None:
         self.assert_matches_reference(make_case(BATCHES[kind], seed=len(kind)))
 
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+    def test_verify_rows_match_reference(self, dtype: torch.dtype) -> None:
+        """Speculative verify passes are decode rows sharing a slot table (see verify_case)."""
+        self.assert_matches_reference(verify_case(dtype))
+
     @pytest.mark.parametrize("kind", ["mixed", "decode"])
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
                              ids=["float32", "bfloat16", "float16"])
@@ -183,6 +201,11 @@ class AttentionBackendKit:
             assert out.shape == q.shape, f"forward returned {tuple(out.shape)}, expected q's {tuple(q.shape)}"
             assert out.dtype == dtype, f"forward returned {out.dtype} for {dtype} inputs"
             assert torch.isfinite(out).all(), "forward returned non-finite values"
+
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+    def test_verify_rows_match_reference(self, dtype: torch.dtype) -> None:
+        """Speculative verify passes are decode rows sharing a slot table (see verify_case)."""
+        self.assert_matches_reference(verify_case(dtype))
 
     @pytest.mark.parametrize("kind", ["mixed", "decode"])
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
