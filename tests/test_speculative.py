@@ -192,3 +192,63 @@ def test_speculative_flags_refused_by_name():
                            (["--speculative-num-draft-tokens", "1"], "at least 2")]:
         result = run_srv("launch", "--speculative-algorithm", "NGRAM", *flags)
         assert result.returncode != 0 and message in result.stderr, result.stderr
+
+
+def test_logprobs_stop_strings_and_n_are_as_without_speculation(default_model_dir):
+    """What a request asks beside its tokens (log-probabilities, a stop string met in the middle
+    of a verified chunk, min_tokens, n > 1) comes out as without speculation."""
+    results = []
+    for flags in ({}, {"speculative_algorithm": "NGRAM"}):
+        with make_engine(default_model_dir, **flags) as engine:
+            edit = engine.tokenizer.apply_chat_template(EDIT, add_generation_prompt=True, tokenize=False)
+            asks = [
+                {"max_new_tokens": 24, "temperature": 0, "logprobs": True, "top_logprobs": 3},
+                {"max_new_tokens": 64, "temperature": 0, "stop": ["return result"]},
+                {"max_new_tokens": 24, "temperature": 0, "min_new_tokens": 20, "stop_token_ids": [13]},
+                {"max_new_tokens": 16, "temperature": 0.7, "seed": 11, "n": 2},
+            ]
+            results.append([engine.generate(edit, ask) for ask in asks])
+            if flags:
+                assert engine.scheduler.stats.spec_accept_length > 1.2
+    plain, speculative = results
+    assert plain[0]["output_ids"] == speculative[0]["output_ids"]
+    for key in ("output_token_logprobs", "output_top_logprobs"):
+        flat = [torch.tensor(_logprob_values(r[0]["meta_info"][key])) for r in (plain, speculative)]
+        torch.testing.assert_close(flat[1], flat[0], atol=1e-4, rtol=0, msg=key)
+    assert plain[1]["text"] == speculative[1]["text"] and plain[1]["meta_info"]["finish_reason"] == \
+        speculative[1]["meta_info"]["finish_reason"]
+    assert plain[2]["output_ids"] == speculative[2]["output_ids"]
+    assert [r["output_ids"] for r in plain[3]] == [r["output_ids"] for r in speculative[3]]
+
+
+def test_server_reports_the_accept_length(default_model_dir):
+    from test_server import Server
+
+    import httpx
+
+    server = Server("--speculative-algorithm", "NGRAM", "--enable-metrics", "--skip-server-warmup")
+    try:
+        body = {"messages": EDIT, "max_tokens": 48, "temperature": 0, "stream": True}
+        with httpx.stream("POST", f"{server.base}/v1/chat/completions", json=body, timeout=120) as response:
+            chunks = [line for line in response.iter_lines() if line.startswith("data: ")]
+        assert chunks[-1] == "data: [DONE]" and len(chunks) > 3
+        info = httpx.get(f"{server.base}/get_server_info").json()
+        assert info["speculative_algorithm"] == "NGRAM"
+        assert info["internal_states"][0]["avg_spec_accept_length"] > 1.0
+        metrics = httpx.get(f"{server.base}/metrics").text
+        line = next(l for l in metrics.splitlines() if l.startswith("sglang:spec_accept_length"))
+        assert float(line.split()[-1]) > 1.0
+    finally:
+        assert server.stop() == 0
+
+
+def _logprob_values(entries) -> list[float]:
+    """The log-probabilities of a meta_info logprob list ((logprob, token id, ...) entries, or
+    lists of them a position), flattened."""
+    out = []
+    for entry in entries:
+        if entry and isinstance(entry[0], (list, tuple)):
+            out += [e[0] for e in entry]
+        else:
+            out.append(entry[0])
+    return out

@@ -2,9 +2,9 @@
 
 A plugin imports from `srv.sdk` and nothing else of srv. Hook specs are in `hookspecs`,
 the data a plugin registers in `registration`, the base classes of each family in `attention`,
-`sampling`, `grammar`, `tools`, `cache`, `scheduling`, `models` and `quantization`, C kernels
-built on first use in `native`, the cache directory in `paths`, and the conformance kits in
-`testing`.
+`sampling`, `grammar`, `tools`, `cache`, `scheduling`, `models`, `quantization` and
+`speculative`, C kernels built on first use in `native`, the cache directory in `paths`, and the
+conformance kits in `testing`.
 
 A plugin module states the SDK versions it works with as a version range, for example
 `SRV_SDK_VERSION = ">=0.1,<0.2"`; srv refuses to load it (and says why) when `API_VERSION`

@@ -7,8 +7,9 @@ window first; the places it matched are branches (fewer for longer matches, from
 min breadth), each with up to branch-length tokens after it, and the drafts follow them token by
 token: BFS takes the most recent branch still agreeing with the drafts so far, PROB the token
 most of those branches agree on. A request is offered fewer drafts after a failed verify and
-more after one where all held (see `limits`). The index holds at most --speculative-ngram-capacity token
-places over all requests; past it, requests draft from what was already indexed.
+more after one where all held, and none for a while after one where none did (see `limits`).
+The index holds at most --speculative-ngram-capacity token places over all requests; past it,
+requests draft from what was already indexed.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from srv.sdk.speculative import DraftRequest, SpeculativeAlgorithm, SpeculativeC
 
 # Drafts offered to a request before any was verified.
 INITIAL_DRAFTS = 4
+# The longest a request whose drafts keep failing goes without drafts (decode steps).
+MAX_PAUSE_STEPS = 16
 
 
 class RequestIndex:
@@ -73,15 +76,24 @@ class NgramAlgorithm(SpeculativeAlgorithm):
         self.indexed = 0   # token places held over all requests
         # Drafts to offer each request next: a verify row costs a share of a decode step on a CPU,
         # so a request whose drafts fail gets fewer (one more than it last accepted), and one
-        # whose drafts all held gets twice as many, up to the budget.
+        # whose drafts all held gets twice as many, up to the budget. One whose drafts fail
+        # outright skips drafting for a while, twice as long each time (text that does not
+        # repeat itself then costs almost nothing).
         self.limits: dict[str, int] = {}
+        self.pauses: dict[str, tuple[int, int]] = {}   # rid -> (steps left, the next pause's length)
 
     def verified(self, request: DraftRequest, proposed: int, accepted: int) -> None:
         limit = 2 * proposed if accepted == proposed else accepted + 1
         self.limits[request.rid] = max(1, min(self.config.max_drafts, limit))
+        if accepted:
+            self.pauses.pop(request.rid, None)
+        else:
+            _, length = self.pauses.get(request.rid, (0, 1))
+            self.pauses[request.rid] = (length, min(2 * length, MAX_PAUSE_STEPS))
 
     def release(self, rid: str) -> None:
         self.limits.pop(rid, None)
+        self.pauses.pop(rid, None)
         index = self.indexes.pop(rid, None)
         if index is not None:
             self.indexed -= len(index.tokens)
@@ -100,6 +112,10 @@ class NgramAlgorithm(SpeculativeAlgorithm):
 
     def _propose_one(self, req: DraftRequest, budget: int) -> list[int]:
         c = self.ngram
+        left, length = self.pauses.get(req.rid, (0, 0))
+        if left:
+            self.pauses[req.rid] = (left - 1, length)
+            return []
         index = self.indexes.get(req.rid)
         if index is None:
             index = self.indexes[req.rid] = RequestIndex(c.min_match_window_size, c.max_match_window_size,
