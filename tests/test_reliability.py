@@ -266,10 +266,10 @@ def test_a_step_that_raises_fails_what_it_held_and_the_loop_goes_on(tiny_models,
     broken = {"once": True}
     process = scheduler._process
 
-    def process_once(batch, logits):
+    def process_once(result):
         if broken.pop("once", False):
             raise RuntimeError("a sampler plugin's bug")
-        return process(batch, logits)
+        return process(result)
 
     monkeypatch.setattr(scheduler, "_process", process_once)
     outputs = loop.step()

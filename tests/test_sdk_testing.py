@@ -350,7 +350,8 @@ from srv.plugins.models.impls import NativeModels
 from srv.plugins.models.llama import LlamaForCausalLM
 from srv.sdk.models import ModelLoader
 from srv.sdk.scheduling import SchedulePolicy
-from srv.sdk.testing import ModelImplKit, ModelLoaderKit, SchedulePolicyKit
+from srv.sdk.speculative import SpeculativeAlgorithm
+from srv.sdk.testing import ModelImplKit, ModelLoaderKit, SchedulePolicyKit, SpeculativeAlgorithmKit
 
 
 class DropsLastPolicy(SchedulePolicy):
@@ -398,6 +399,15 @@ class NoRotaryModels(NativeModels):
 
 class TestNoRotaryModels(ModelImplKit):
     impl_factory = NoRotaryModels
+
+
+class NeverDrafts(SpeculativeAlgorithm):
+    def propose(self, requests, budgets):
+        return [[] for _ in requests]
+
+
+class TestNeverDrafts(SpeculativeAlgorithmKit):
+    algorithm_factory = NeverDrafts
 '''
 
 
@@ -419,14 +429,16 @@ def test_kits_fail_broken_plugins_under_pytest(pytester):
         "TestDropsLast::test_order_is_a_permutation[7-no-prefix-info]",
         "TestDropsLast::test_order_is_a_permutation[7-prefix-info]",
         "TestDropsLast::test_repeated_calls_and_identical_requests",
+        "TestNeverDrafts::test_greedy_output_is_the_targets",
         "TestNoRotaryModels::test_batched_greedy_matches_transformers",
         "TestNoRotaryModels::test_prefix_cache_hits_match_transformers",
         "TestNoRotaryModels::test_prompt_logprobs_match_transformers",
         "TestSwappedLayersLoader::test_engine_greedy_matches_transformers",
         "TestSwappedLayersLoader::test_load_fills_srv_native_model",
     ]
-    result.assert_outcomes(passed=5 + 3 + 2, failed=14)
-    result.stdout.fnmatch_lines(["*order() lost requests with arrival_index*"])
+    result.assert_outcomes(passed=5 + 3 + 2 + 2, failed=15)
+    result.stdout.fnmatch_lines(["*order() lost requests with arrival_index*",
+                                 "*the algorithm proposed no drafts for prompts that repeat themselves*"])
 
 
 # ---- the pytest plugin, temporary registration, configuration errors ---------------------------
