@@ -38,6 +38,27 @@ class TestStandaloneKit(SpeculativeAlgorithmKit):
         return {"speculative_draft_model_path": str(model_dir)}
 
 
+class TestEagleKit(SpeculativeAlgorithmKit):
+    """A random EAGLE head (see write_eagle_head)."""
+
+    backend_name = "EAGLE"
+
+    @classmethod
+    def launch_flags(cls, model_dir: Path) -> dict:
+        head = model_dir.parent / f"head-{cls.backend_name}"
+        if not head.exists():
+            write_eagle_head(head, eagle3=cls.backend_name == "EAGLE3")
+        return {"speculative_draft_model_path": str(head)}
+
+
+class TestEagle3Kit(TestEagleKit):
+    backend_name = "EAGLE3"
+
+
+class TestNextnKit(TestEagleKit):
+    backend_name = "NEXTN"
+
+
 def test_accept_drafts_keeps_the_agreeing_prefix_and_the_targets_token():
     assert accept_drafts([5, 6, 7], [5, 6]) == [5, 6, 7]
     assert accept_drafts([5, 9, 7], [5, 6]) == [5, 9]
@@ -252,3 +273,71 @@ def _logprob_values(entries) -> list[float]:
         else:
             out.append(entry[0])
     return out
+
+
+def write_eagle_head(path: Path, eagle3: bool, seed: int = 0) -> Path:
+    """A random EAGLE (fc, layers.0) or EAGLE3 (fc, midlayer, norm, lm_head over a draft vocabulary,
+    d2t) head for the tiny Llama, in the published checkpoints' layout."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from srv.sdk.testing.tiny_model import CONFIG
+
+    g = torch.Generator().manual_seed(seed)
+    hidden, heads, kv, inter = CONFIG["hidden_size"], 4, 2, 96
+    head_dim = hidden // heads
+    draft_vocab = 128
+    config = {"architectures": ["LlamaForCausalLMEagle3" if eagle3 else "LlamaForCausalLM"], "hidden_size": hidden,
+              "num_attention_heads": heads, "num_key_value_heads": kv, "intermediate_size": inter,
+              "num_hidden_layers": 1, "rms_norm_eps": 1e-6, "vocab_size": CONFIG["vocab_size"],
+              "max_position_embeddings": 512, "rope_theta": 10000.0}
+    def rand(*shape):
+        return torch.randn(*shape, generator=g) * 0.2
+    layer = "midlayer." if eagle3 else "layers.0."
+    width = 2 * hidden if eagle3 else hidden
+    tensors = {f"{layer}self_attn.q_proj.weight": rand(heads * head_dim, width),
+               f"{layer}self_attn.k_proj.weight": rand(kv * head_dim, width),
+               f"{layer}self_attn.v_proj.weight": rand(kv * head_dim, width),
+               f"{layer}self_attn.o_proj.weight": rand(hidden, heads * head_dim),
+               f"{layer}mlp.gate_proj.weight": rand(inter, hidden), f"{layer}mlp.up_proj.weight": rand(inter, hidden),
+               f"{layer}mlp.down_proj.weight": rand(hidden, inter),
+               f"{layer}post_attention_layernorm.weight": torch.ones(hidden)}
+    if eagle3:
+        config |= {"draft_vocab_size": draft_vocab, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 0, 1]}}
+        # Draft id i is target id 2i (d2t holds the offsets), t2d marks the target ids drafted.
+        tensors |= {"fc.weight": rand(hidden, 3 * hidden), "midlayer.input_layernorm.weight": torch.ones(hidden),
+                    "midlayer.hidden_norm.weight": torch.ones(hidden), "norm.weight": torch.ones(hidden),
+                    "lm_head.weight": rand(draft_vocab, hidden), "d2t": torch.arange(draft_vocab),
+                    "t2d": torch.arange(CONFIG["vocab_size"]) % 2 == 0}
+    else:
+        tensors |= {"fc.weight": rand(hidden, 2 * hidden), "fc.bias": rand(hidden)}
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps(config))
+    save_file(tensors, str(path / "model.safetensors"))
+    return path
+
+
+@pytest.mark.parametrize("algorithm", ["EAGLE", "EAGLE3"])
+def test_eagle_heads_draft_and_the_output_is_the_targets(srv_tiny_model_dir, tmp_path, algorithm):
+    """A random head in the published layout loads, reads the target's hidden states and drafts;
+    greedy output stays the target's, alone, batched and beside a prefix-cache hit."""
+    head = write_eagle_head(tmp_path / algorithm.lower(), eagle3=algorithm == "EAGLE3")
+    prompts = repeating_prompts(seed=4)
+    greedy = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
+    with srv.Engine(model_path=str(srv_tiny_model_dir), dtype="float32", speculative_algorithm=algorithm,
+                    speculative_draft_model_path=str(head), speculative_num_steps=3) as engine:
+        single = engine.generate(input_ids=prompts[0], sampling_params=greedy)
+        batched = engine.generate(input_ids=prompts + [prompts[1] + [7, 8]], sampling_params=greedy)
+        status = engine.status()
+        assert status["spec_draft_tokens"] > 0 and status["spec_verifies"] > 0, status
+        for prompt, result in zip([prompts[0]] + prompts + [prompts[1] + [7, 8]], [single] + batched):
+            assert result["output_ids"] == hf_greedy(tiny_llama(), prompt, 16)
+        assert engine.flush_cache() and engine.status()["kv_tokens_in_use"] == 0
+
+
+def test_an_eagle_head_of_the_wrong_layout_is_refused(srv_tiny_model_dir, tmp_path):
+    head = write_eagle_head(tmp_path / "eagle", eagle3=False)
+    with pytest.raises(Exception, match="not an EAGLE3 head"):
+        srv.Engine(model_path=str(srv_tiny_model_dir), dtype="float32", speculative_algorithm="EAGLE3",
+                   speculative_draft_model_path=str(head))

@@ -150,7 +150,7 @@ class ModelRunner:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, out_cache_loc: torch.Tensor,
                 kv_slots: torch.Tensor, prefix_lens: list[int], extend_lens: list[int],
                 logits_indices: torch.Tensor | None = None, mode: ForwardMode | None = None,
-                capture_hidden: bool = False) -> ModelOutput:
+                capture_layers: tuple[int, ...] = ()) -> ModelOutput:
         """One forward pass (see ForwardBatch); mode defaults to DECODE when every request
         extends by one token, EXTEND otherwise."""
         decode = all(e == 1 for e in extend_lens)
@@ -165,7 +165,7 @@ class ModelRunner:
         batch = ForwardBatch(input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc,
                              kv_slots=kv_slots, prefix_lens=prefix_lens, extend_lens=extend_lens,
                              kv_cache=self.kv_cache, attention=attention, logits_indices=logits_indices,
-                             mode=mode, capture_hidden=capture_hidden)
+                             mode=mode, capture_layers=capture_layers)
         out = self.model(batch)
         if isinstance(out, torch.Tensor):   # a model written before ModelOutput: logits alone
             out = ModelOutput(out)
@@ -173,6 +173,6 @@ class ModelRunner:
         if out.logits.shape[0] != rows:
             raise RuntimeError(f"the model returned {out.logits.shape[0]} rows of logits for {rows} asked: it must "
                                "return the rows ForwardBatch.logits_rows() names")
-        if capture_hidden and out.hidden_states is None:
-            raise RuntimeError("the model returned no hidden states, though the batch asked for them")
+        if capture_layers and (out.hidden_states is None or out.hidden_states.shape[0] != input_ids.shape[0]):
+            raise RuntimeError("the model did not return the hidden states of every new token the batch asked for")
         return out

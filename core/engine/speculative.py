@@ -36,7 +36,16 @@ def make_worker(args: Namespace, runner: ModelRunner, registry: BackendRegistry,
     def load_draft_model(path: str) -> DraftModel:
         return EngineDraftModel(args, registry, path, capacity or runner.kv_capacity_tokens())
 
-    context = SpeculativeContext(config, runner.config.vocab_size, args, load_draft_model)
+    model = runner.model
+
+    def target_head(hidden: torch.Tensor) -> torch.Tensor:
+        return model.lm_head(hidden.to(runner.dtype)).float()
+
+    def target_embed(ids: torch.Tensor) -> torch.Tensor:
+        return model.embed_tokens(ids).float()
+
+    context = SpeculativeContext(config, runner.config.vocab_size, args, load_draft_model, runner.config,
+                                 target_embed, target_head)
     algorithm = factory(context)
     logger.info("speculative decoding: %s, up to %d drafts a step", registration.name, config.max_drafts)
     return SpeculativeWorker(runner, req_pool, eos_ids, fail, crash_on_nan, stats, algorithm, config)
@@ -51,6 +60,7 @@ class SpeculativeWorker(Worker):
         super().__init__(runner, req_pool, eos_ids, fail, crash_on_nan, stats)
         self.algorithm, self.config = algorithm, config
         self.vocab_size = runner.config.vocab_size
+        self.capture_layers = tuple(algorithm.capture_layers)
 
     def draft_budget(self, req: Req) -> int:
         # A grammar's mask after a draft needs the grammar advanced over it: such rows decode
@@ -70,8 +80,13 @@ class SpeculativeWorker(Worker):
             self._propose(drafting)
         result = super().run(batch)
         for r in result.results:
-            if r.item.drafts:
-                self.algorithm.verified(r.req, len(r.item.drafts), len(r.tokens) - 1)
+            item = r.item
+            if item.drafts:
+                self.algorithm.verified(r.req, len(item.drafts), len(r.tokens) - 1)
+            if item.hidden is not None:
+                # A verify pass's rows past the accepted drafts hold tokens that are not the request's.
+                rows = len(r.tokens) if item.drafts else item.extend
+                self.algorithm.observe(r.req, item.hidden_start, item.hidden[:rows])
         return result
 
     def _propose(self, items: list[ScheduledReq]) -> None:

@@ -40,6 +40,10 @@ class ScheduledReq:
     extend: int
     draft_budget: int = 0
     drafts: list[int] = field(default_factory=list)
+    # The target's hidden states of this request's rows, from position hidden_start on, when the
+    # worker captures them (ForwardBatch.capture_layers).
+    hidden: torch.Tensor | None = None
+    hidden_start: int = 0
 
 
 @dataclass
@@ -72,6 +76,7 @@ class Worker:
         """fail(req, why) ends a request the worker cannot compute; stats counts forward_steps."""
         self.runner, self.req_pool, self.eos_ids = runner, req_pool, eos_ids
         self.fail, self.crash_on_nan, self.stats = fail, crash_on_nan, stats
+        self.capture_layers: tuple[int, ...] = ()   # hidden states every forward pass returns
 
     def draft_budget(self, req: Req) -> int:
         """How many drafts `req` may be given in its next decode step (the plain worker drafts none)."""
@@ -160,8 +165,15 @@ class Worker:
             logits_indices = torch.cat([last, torch.tensor([row for _, row, _ in prompt_rows])])
         verify = any(item.drafts for item in batch)
         out = self.runner.forward(torch.tensor(ids), torch.cat(positions), torch.cat(locs), kv_slots, prefix_lens,
-                                  extends, logits_indices, ForwardMode.TARGET_VERIFY if verify else None)
+                                  extends, logits_indices, ForwardMode.TARGET_VERIFY if verify else None,
+                                  self.capture_layers)
         logits = out.logits
+        if self.capture_layers:
+            offset = 0
+            for item in batch:
+                n = 1 + len(item.drafts) if item.drafts else item.extend
+                item.hidden, item.hidden_start = out.hidden_states[offset: offset + n], item.req.kv_len
+                offset += n
         if prompt_rows:
             self._record_prompt_logprobs(prompt_rows, logits[len(extends):])
             logits = logits[:len(extends)]

@@ -61,8 +61,11 @@ class ForwardBatch:
         None means each request's last new token (one row a request, in batch order). The
         scheduler asks for more rows when a request wants its prompt's log-probabilities.
     mode: see ForwardMode; every mode uses this same ragged layout.
-    capture_hidden: also return the final hidden states (what the head reads) at the logits
-        rows, in ModelOutput.hidden_states (draft heads such as EAGLE's read them).
+    capture_layers: hidden states to return in ModelOutput.hidden_states, for every new token
+        [T, len(capture_layers) * hidden], side by side in this order: index i < num_layers is
+        the residual stream entering layer i (0: the embeddings), num_layers the final norm's
+        output (what the head reads), as Hugging Face's `output_hidden_states` numbers them.
+        Draft heads read them (EAGLE the last, EAGLE3 three of the layers').
     """
 
     input_ids: torch.Tensor
@@ -76,7 +79,7 @@ class ForwardBatch:
     metadata: dict[str, Any] = field(default_factory=dict)
     logits_indices: torch.Tensor | None = None
     mode: ForwardMode = ForwardMode.EXTEND
-    capture_hidden: bool = False
+    capture_layers: tuple[int, ...] = ()
 
     @property
     def batch_size(self) -> int:

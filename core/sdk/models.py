@@ -69,8 +69,8 @@ def materialize(model: nn.Module) -> nn.Module:
 @dataclass
 class ModelOutput:
     """What a model's forward returns: float32 logits [rows, vocab] of the rows
-    `batch.logits_rows()` names, and, when `batch.capture_hidden` is set, the final hidden
-    states [rows, hidden] the head read for them."""
+    `batch.logits_rows()` names, and, when `batch.capture_layers` names any, those hidden
+    states of every new token (see ForwardBatch)."""
 
     logits: torch.Tensor
     hidden_states: torch.Tensor | None = None

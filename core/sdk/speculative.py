@@ -114,13 +114,18 @@ class DraftModel(ABC):
 
 @dataclass
 class SpeculativeContext:
-    """What an algorithm's factory is handed: the config, the target's vocabulary size, and a
-    loader for draft models (built like the target: same dtype, loaders and model plugins)."""
+    """What an algorithm's factory is handed: the config, the target's vocabulary size, a loader
+    for draft models (built like the target: same dtype, loaders and model plugins), the target's
+    config (`srv.sdk.models.ModelConfig`), and its embedding and head, for draft heads that share
+    them (ids [N] -> float32 [N, hidden]; float32 hidden [N, hidden] -> logits [N, vocab])."""
 
     config: SpeculativeConfig
     vocab_size: int
     server_args: Any = None
     draft_model_loader: Any = None   # Callable[[str], DraftModel]
+    target_config: Any = None
+    target_embed: Any = None
+    target_head: Any = None
 
     def load_draft_model(self, path: str) -> DraftModel:
         if self.draft_model_loader is None:
@@ -137,6 +142,9 @@ class SpeculativeAlgorithm(ABC):
     #: The tokens a verify pass feeds a request by default (the last token and the drafts),
     #: when --speculative-num-draft-tokens and --speculative-num-steps are unset.
     default_num_draft_tokens: int = 4
+    #: The target's hidden states the algorithm reads (ForwardBatch.capture_layers numbering):
+    #: every forward pass then captures them, and `observe` is handed them.
+    capture_layers: tuple[int, ...] = ()
 
     def __init__(self, context: SpeculativeContext) -> None:
         self.context = context
@@ -149,6 +157,11 @@ class SpeculativeAlgorithm(ABC):
     def verified(self, request: DraftRequest, proposed: int, accepted: int) -> None:
         """After a verify pass: `accepted` of the `proposed` drafts held, and request.token_ids
         holds every token now verified."""
+
+    def observe(self, request: DraftRequest, start: int, hidden: torch.Tensor) -> None:
+        """The target's hidden states (`capture_layers`) of the request's positions start ..
+        start + len(hidden) - 1, all of them verified tokens: a prompt chunk's, or a verify
+        pass's last token and accepted drafts."""
 
     def release(self, rid: str) -> None:
         """The request finished (or was aborted): drop what was kept for it."""

@@ -193,7 +193,7 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """forward(batch) returns a ModelOutput: float32 logits [rows, vocab] of the rows
     `batch.logits_rows()` names (each request's last new token, unless the scheduler asks for
-    more), and the normed hidden states of those rows when the batch captures them."""
+    more), and the hidden states `batch.capture_layers` names, of every new token."""
 
     # HF checkpoint names of the projections srv stores fused: (fused name, shard index).
     FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -228,17 +228,25 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(batch.input_ids)
         rotary = self.rotary(batch.positions)
         batch.attention.prepare(batch)
-        native = self._decode_natively(x, rotary, batch)
+        native = None if batch.capture_layers else self._decode_natively(x, rotary, batch)
+        captured: dict[int, torch.Tensor] = {}
         if native is None:
             residual = None
-            for layer in self.layers:
+            for i, layer in enumerate(self.layers):
+                if i in batch.capture_layers:   # the residual stream entering layer i (a copy: the
+                    # layers add into the residual in place, and layer 0's residual is x)
+                    captured[i] = (x.clone() if residual is None else x + residual).float()
                 x, residual = layer(x, residual, rotary, batch)
         else:
             x, residual = native
-        rows = batch.logits_rows()
         norm = self.norm if x.dtype == self.norm.weight.dtype else self._float32_copy(self.norm)
+        if len(self.layers) in batch.capture_layers:
+            # The norm may add into the residual it is given: a copy keeps the stream for the head.
+            captured[len(self.layers)] = norm(x, residual.clone())[0].float()
+        rows = batch.logits_rows()
         x, _ = norm(x[rows], residual[rows])
-        return ModelOutput(self.lm_head(x).float(), x if batch.capture_hidden else None)
+        hidden = torch.cat([captured[i] for i in batch.capture_layers], -1) if batch.capture_layers else None
+        return ModelOutput(self.lm_head(x).float(), hidden)
 
     def _float32_copy(self, norm: RMSNorm) -> RMSNorm:
         """A float32 copy of a norm of a model served in another dtype, for its native decode steps

@@ -104,10 +104,11 @@ class TransformersModel(nn.Module):
         # The full causal-LM forward, so that each model's own head logic (logit scaling,
         # final softcapping) applies; logits_to_keep runs the head on the asked rows only.
         out = self.hf(input_ids=batch.input_ids[None], position_ids=batch.positions[None], use_cache=False,
-                      output_hidden_states=batch.capture_hidden, **kwargs, **{BATCH_KWARG: batch})
+                      output_hidden_states=bool(batch.capture_layers), **kwargs, **{BATCH_KWARG: batch})
         logits = out.logits[0]
-        # transformers' last hidden state is the final norm's output: what the head reads.
-        hidden = out.hidden_states[-1][0][rows] if batch.capture_hidden else None
+        # transformers numbers its hidden states as ForwardBatch.capture_layers does.
+        hidden = torch.cat([out.hidden_states[i][0] for i in batch.capture_layers], -1).float() \
+            if batch.capture_layers else None
         return ModelOutput((logits if self._logits_to_keep else logits[rows]).float(), hidden)
 
     # ---- weights ------------------------------------------------------------------------------

@@ -231,6 +231,45 @@ class ModelImplKit(_EngineChecks):
         second = self.assert_greedy_matches(srv_kit_engine, srv_kit_reference, [shared + [6, 7, 8], shared[:20]])
         assert second[0]["meta_info"]["cached_tokens"] > 0, "the second request found no cached prefix"
 
+    def test_hidden_states_match_transformers(self, srv_kit_model_dir: Path, srv_kit_reference: Any) -> None:
+        """ForwardBatch.capture_layers: the residual stream entering the layers asked, and the
+        final norm's output, for every new token, as transformers' output_hidden_states."""
+        from safetensors.torch import load_file
+
+        from srv.sdk.attention import ForwardBatch, KVCache
+
+        config = self.config(srv_kit_model_dir)
+        impl = self.make_impl()
+        model = impl.build(config)
+        weights = {}
+        for path in sorted(srv_kit_model_dir.glob("*.safetensors")):
+            weights.update(load_file(str(path)))
+        model.load_weights(weights.items())
+        model.float().eval()
+        impl.finalize(model)
+        heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", config.num_attention_heads)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        layers = config.num_hidden_layers
+        [prompt] = random_prompts([11], config.vocab_size, seed=5)
+        n = len(prompt)
+        slots = torch.arange(1, n + 1)
+        attention = registration("attention", "torch_native").create(heads, kv_heads, head_dim, head_dim ** -0.5)
+        capture = (0, layers - 1, layers)
+        batch = ForwardBatch(input_ids=torch.tensor(prompt), positions=torch.arange(n), out_cache_loc=slots,
+                             kv_slots=slots[None], prefix_lens=[0], extend_lens=[n],
+                             kv_cache=KVCache(n + 1, layers, kv_heads, head_dim, torch.float32), attention=attention,
+                             capture_layers=capture)
+        out = model(batch)
+        hidden = out.hidden_states if hasattr(out, "hidden_states") else None
+        assert hidden is not None and hidden.shape == (n, len(capture) * config.hidden_size), \
+            "the model must return ModelOutput.hidden_states [new tokens, layers asked x hidden]"
+        with torch.inference_mode():
+            expected = srv_kit_reference(torch.tensor([prompt]), output_hidden_states=True).hidden_states
+        for j, i in enumerate(capture):
+            torch.testing.assert_close(hidden[:, j * config.hidden_size:(j + 1) * config.hidden_size],
+                                       expected[i][0].float(), atol=1e-4, rtol=1e-4,
+                                       msg=lambda m: f"hidden states {i} of {layers}: {m}")
+
     def test_prompt_logprobs_match_transformers(self, srv_kit_engine: Any, srv_kit_reference: Any) -> None:
         """The model returns the logits of the rows `ForwardBatch.logits_rows()` names: a
         prompt's log-probabilities (logprob_start_len, prefill chunks of 16) are transformers'."""

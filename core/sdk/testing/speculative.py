@@ -61,12 +61,12 @@ class SpeculativeAlgorithmKit:
 
     def test_greedy_output_is_the_targets(self, srv_kit_engine: Any) -> None:
         prompts = repeating_prompts()
-        before = srv_kit_engine.scheduler.stats.spec_draft_tokens
+        before = srv_kit_engine.status()["spec_draft_tokens"]
         single = srv_kit_engine.generate(input_ids=prompts[0], sampling_params=self.greedy())
         batched = srv_kit_engine.generate(input_ids=prompts, sampling_params=self.greedy())
         for prompt, result in zip([prompts[0]] + prompts, [single] + batched):
             assert result["output_ids"] == hf_greedy(tiny_llama(), prompt, self.new_tokens), f"prompt {prompt[:6]}..."
-        assert srv_kit_engine.scheduler.stats.spec_draft_tokens > before, \
+        assert srv_kit_engine.status()["spec_draft_tokens"] > before, \
             "the algorithm proposed no drafts for prompts that repeat themselves"
 
     def test_free_rows_beside_constrained_rows(self, srv_kit_engine: Any) -> None:
