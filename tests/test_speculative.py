@@ -208,8 +208,7 @@ def test_seeded_sampling_is_the_same_with_and_without_speculation(srv_tiny_model
 def test_speculative_flags_refused_by_name():
     from conftest import run_srv
 
-    for flags, message in [(["--speculative-eagle-topk", "4"], "tree drafts"),
-                           (["--speculative-accept-threshold-acc", "0.5"], "--speculative-accept-threshold-acc"),
+    for flags, message in [(["--speculative-accept-threshold-acc", "0.5"], "--speculative-accept-threshold-acc"),
                            (["--speculative-num-draft-tokens", "1"], "at least 2")]:
         result = run_srv("launch", "--speculative-algorithm", "NGRAM", *flags)
         assert result.returncode != 0 and message in result.stderr, result.stderr
@@ -341,3 +340,75 @@ def test_an_eagle_head_of_the_wrong_layout_is_refused(srv_tiny_model_dir, tmp_pa
     with pytest.raises(Exception, match="not an EAGLE3 head"):
         srv.Engine(model_path=str(srv_tiny_model_dir), dtype="float32", speculative_algorithm="EAGLE3",
                    speculative_draft_model_path=str(head))
+
+
+def test_accept_tree_follows_the_child_the_target_sampled():
+    from srv.sdk.speculative import DraftTree, accept_tree
+
+    # root -> 5 (node 0) and 6 (node 1); node 1 -> 7 (node 2); node 0 -> 8 (node 3)
+    tree = DraftTree([5, 6, 7, 8], [-1, -1, 1, 0])
+    assert accept_tree([6, 9, 7, 4, 9], tree) == ([6, 7, 4], [1, 2])
+    assert accept_tree([5, 8, 9, 9, 3], tree) == ([5, 8, 3], [0, 3])
+    assert accept_tree([2, 0, 0, 0, 0], tree) == ([2], [])
+    assert DraftTree.chain([4, 5]).is_chain and not tree.is_chain and tree.path(2) == [1, 2]
+    with pytest.raises(ValueError):
+        DraftTree([1, 2], [-1, 1])
+
+
+def oracle_tree(context):
+    """An algorithm whose tree's first child of the root is wrong and whose second branch is the
+    target's greedy continuation: verification must follow the second branch and move its KV."""
+    from srv.sdk.speculative import DraftTree, SpeculativeAlgorithm
+
+    class Oracle(SpeculativeAlgorithm):
+        supports_trees = True
+
+        def propose(self, requests, budgets):
+            trees = []
+            for req, budget in zip(requests, budgets):
+                if budget < 4:
+                    trees.append([])
+                    continue
+                g = hf_greedy(tiny_llama(), req.token_ids, 3)
+                wrong = (g[0] + 1) % 250 + 3
+                trees.append(DraftTree([wrong, g[0], g[1], g[2]], [-1, -1, 1, 2]))
+            return trees
+
+    return Oracle(context)
+
+
+def test_tree_drafts_move_the_accepted_branch_kv(srv_tiny_model_dir):
+    from srv.sdk.testing import registered_temporarily
+
+    prompts = random_prompts([5, 13])
+    greedy = {"max_new_tokens": 20, "temperature": 0, "ignore_eos": True}
+    with registered_temporarily("speculative_algorithm", "oracle-tree", oracle_tree) as name:
+        with srv.Engine(model_path=str(srv_tiny_model_dir), dtype="float32", speculative_algorithm=name,
+                        speculative_num_draft_tokens=5, page_size=4) as engine:
+            results = engine.generate(input_ids=prompts, sampling_params=greedy)
+            status = engine.status()
+            # Every verify step accepts the three drafts of the second branch.
+            assert status["spec_accepted_tokens"] - status["spec_verifies"] >= 2 * status["spec_verifies"] > 0, status
+            for prompt, result in zip(prompts, results):
+                assert result["output_ids"] == hf_greedy(tiny_llama(), prompt, 20)
+            assert engine.flush_cache() and engine.status()["kv_tokens_in_use"] == 0
+
+
+@pytest.mark.parametrize("algorithm", ["EAGLE", "EAGLE3"])
+def test_eagle_tree_drafts_keep_the_output(srv_tiny_model_dir, tmp_path, algorithm):
+    head = write_eagle_head(tmp_path / algorithm.lower(), eagle3=algorithm == "EAGLE3")
+    prompts = repeating_prompts(seed=6)
+    greedy = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
+    with srv.Engine(model_path=str(srv_tiny_model_dir), dtype="float32", speculative_algorithm=algorithm,
+                    speculative_draft_model_path=str(head), speculative_num_steps=3, speculative_eagle_topk=3,
+                    speculative_num_draft_tokens=8) as engine:
+        results = engine.generate(input_ids=prompts, sampling_params=greedy)
+        assert engine.status()["spec_draft_tokens"] > 0
+        for prompt, result in zip(prompts, results):
+            assert result["output_ids"] == hf_greedy(tiny_llama(), prompt, 16)
+
+
+def test_chain_algorithms_refuse_a_topk(srv_tiny_model_dir):
+    with pytest.raises(Exception, match="NGRAM drafts chains"):
+        srv.Engine(model_path=str(srv_tiny_model_dir), dtype="float32", speculative_algorithm="NGRAM",
+                   speculative_eagle_topk=2)

@@ -171,9 +171,6 @@ def speculative_refusals(args: argparse.Namespace) -> list[str]:
         SpeculativeConfig.from_args(args, 2)
     except ValueError as exc:
         refused.append(str(exc))
-    if (args.speculative_eagle_topk or 1) > 1:
-        refused.append(f"--speculative-eagle-topk {args.speculative_eagle_topk}: tree drafts are not supported yet "
-                       "(srv verifies chains of drafts: 1)")
     for flag in ("single", "acc"):
         if getattr(args, f"speculative_accept_threshold_{flag}") != 1.0:
             refused.append(f"--speculative-accept-threshold-{flag}: not supported: srv accepts a draft by the exact "

@@ -18,7 +18,7 @@ from srv.engine.model_runner import ModelRunner
 from srv.engine.request import Req
 from srv.engine.worker import BatchResult, ScheduledReq, Worker
 from srv.sdk.attention import ForwardMode
-from srv.sdk.speculative import DraftModel, SpeculativeAlgorithm, SpeculativeConfig, SpeculativeContext
+from srv.sdk.speculative import DraftModel, DraftTree, SpeculativeAlgorithm, SpeculativeConfig, SpeculativeContext
 
 logger = logging.getLogger("srv.scheduler")
 
@@ -47,6 +47,9 @@ def make_worker(args: Namespace, runner: ModelRunner, registry: BackendRegistry,
     context = SpeculativeContext(config, runner.config.vocab_size, args, load_draft_model, runner.config,
                                  target_embed, target_head)
     algorithm = factory(context)
+    if config.eagle_topk > 1 and not algorithm.supports_trees:
+        raise ValueError(f"--speculative-eagle-topk {config.eagle_topk}: {registration.name} drafts chains "
+                         "(--speculative-eagle-topk 1)")
     logger.info("speculative decoding: %s, up to %d drafts a step", registration.name, config.max_drafts)
     return SpeculativeWorker(runner, req_pool, eos_ids, fail, crash_on_nan, stats, algorithm, config)
 
@@ -84,9 +87,9 @@ class SpeculativeWorker(Worker):
             if item.drafts:
                 self.algorithm.verified(r.req, len(item.drafts), len(r.tokens) - 1)
             if item.hidden is not None:
-                # A verify pass's rows past the accepted drafts hold tokens that are not the request's.
-                rows = len(r.tokens) if item.drafts else item.extend
-                self.algorithm.observe(r.req, item.hidden_start, item.hidden[:rows])
+                # Of a verify pass's rows, the last token's and the accepted nodes' hold the request's.
+                hidden = item.hidden[[0] + [1 + j for j in r.nodes]] if item.drafts else item.hidden
+                self.algorithm.observe(r.req, item.hidden_start, hidden)
         return result
 
     def _propose(self, items: list[ScheduledReq]) -> None:
@@ -97,10 +100,13 @@ class SpeculativeWorker(Worker):
             logger.exception("the speculative algorithm failed to propose drafts; decoding without them")
             return
         for item, drafts in zip(items, proposals):
-            drafts = [int(t) for t in drafts[:item.draft_budget]]
-            if any(not 0 <= t < self.vocab_size for t in drafts):
-                drafts = drafts[:next(i for i, t in enumerate(drafts) if not 0 <= t < self.vocab_size)]
-            item.drafts = drafts
+            tree = drafts if isinstance(drafts, DraftTree) else DraftTree.chain([int(t) for t in drafts])
+            tree = tree.first(item.draft_budget)
+            bad = next((i for i, t in enumerate(tree.tokens) if not 0 <= t < self.vocab_size), None)
+            if bad is not None:
+                tree = tree.first(bad)
+            item.drafts = [int(t) for t in tree.tokens]
+            item.tree = None if tree.is_chain else tree
 
 
 class EngineDraftModel(DraftModel):

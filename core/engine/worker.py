@@ -22,7 +22,7 @@ from srv.engine.request import Req
 from srv.sdk.attention import ForwardMode
 from srv.sdk.grammar import allocate_bitmask
 from srv.sdk.sampling import SampleOutput, SamplingBatch
-from srv.sdk.speculative import accept_drafts
+from srv.sdk.speculative import DraftTree, accept_tree
 
 logger = logging.getLogger("srv.scheduler")
 
@@ -40,6 +40,7 @@ class ScheduledReq:
     extend: int
     draft_budget: int = 0
     drafts: list[int] = field(default_factory=list)
+    tree: DraftTree | None = None   # the drafts' tree, when they are not a chain
     # The target's hidden states of this request's rows, from position hidden_start on, when the
     # worker captures them (ForwardBatch.capture_layers).
     hidden: torch.Tensor | None = None
@@ -54,6 +55,7 @@ class RequestResult:
     item: ScheduledReq
     tokens: list[int]
     rows: list[int]
+    nodes: list[int] = field(default_factory=list)   # the draft nodes accepted (row 1 + j of the item)
 
     @property
     def req(self) -> Req:
@@ -123,6 +125,7 @@ class Worker:
         ids: list[int] = []
         positions, locs, table_rows, lens, prompt_rows = [], [], [], [], []
         prefix_lens, extends = [], []
+        tree_rows: list[tuple[int, torch.Tensor]] = []   # (row, its slots) of tree nodes
         for item in batch:
             req, extend = item.req, item.extend
             tokens = req.token_ids
@@ -138,11 +141,17 @@ class Worker:
             if item.drafts:
                 n = 1 + len(item.drafts)
                 ids += tokens[req.kv_len: req.kv_len + 1] + item.drafts
-                positions.append(torch.arange(req.kv_len, req.kv_len + n))
+                depths = [0] + ([item.tree.depth(j) for j in range(n - 1)] if item.tree else list(range(1, n)))
+                positions.append(req.kv_len + torch.tensor(depths))
                 locs.append(table[req.kv_len: req.kv_len + n])
+                if item.tree is not None:
+                    # Node j's slot is kv_len + 1 + j; it sees the cache, the last token and its ancestors.
+                    for j in range(n - 1):
+                        path = torch.tensor(item.tree.path(j)) + req.kv_len + 1
+                        tree_rows.append((len(table_rows) + 1 + j, torch.cat([table[:req.kv_len + 1], table[path]])))
                 table_rows += [req.row] * n
-                lens += range(req.kv_len + 1, req.kv_len + n + 1)
-                prefix_lens += range(req.kv_len, req.kv_len + n)
+                lens += [req.kv_len + 1 + d for d in depths]
+                prefix_lens += [req.kv_len + d for d in depths]
                 extends += [1] * n
             else:
                 ids += tokens[req.kv_len: req.kv_len + extend]
@@ -159,6 +168,8 @@ class Worker:
         # masked attention would read garbage.
         kv_slots = self.req_pool.table[torch.tensor(table_rows), :max_len].masked_fill_(
             torch.arange(max_len) >= lengths[:, None], 0)
+        for row, slots in tree_rows:
+            kv_slots[row, :slots.numel()] = slots
         logits_indices = None
         if prompt_rows:
             last = torch.tensor(extends).cumsum(0) - 1
@@ -210,11 +221,13 @@ class Worker:
             if ready and req.max_new_tokens > 0:
                 results.append(RequestResult(item, [], list(range(len(params), len(params) + n))))
                 rows += range(row, row + n)
+                tree = (item.tree or DraftTree.chain(item.drafts)) if item.drafts else None
                 for j in range(n):
                     if req.grammar is not None:
                         constrained.append((len(params), req))
                     params.append(req.params)
-                    token_ids.append(req.token_ids + item.drafts[:j])
+                    # Row 0 samples after the last token, row 1 + i after node i and its ancestors.
+                    token_ids.append(req.token_ids + [item.drafts[a] for a in tree.path(j - 1)] if j else req.token_ids)
                     prompt_lens.append(req.prompt_len)
             else:
                 results.append(RequestResult(item, [], []))
@@ -232,11 +245,26 @@ class Worker:
         sample = self.runner.sampler.sample(logits, sampling)
         samples = sample.next_token_ids.tolist()
         for result in results:
-            if result.rows:
-                drafts = result.item.drafts
-                result.tokens = accept_drafts([samples[j] for j in result.rows], drafts)
-                result.rows = result.rows[:len(result.tokens)]
+            if result.rows and not result.item.drafts:
+                result.tokens = [samples[result.rows[0]]]
+            elif result.rows:
+                item = result.item
+                tree = item.tree or DraftTree.chain(item.drafts)
+                result.tokens, result.nodes = accept_tree([samples[j] for j in result.rows], tree)
+                result.rows = [result.rows[0]] + [result.rows[1 + j] for j in result.nodes]
+                if item.tree is not None:
+                    self._move_accepted_kv(item, result.nodes)
         return BatchResult(results, sample)
+
+    def _move_accepted_kv(self, item: ScheduledReq, nodes: list[int]) -> None:
+        """A tree's accepted node j at depth d wrote its KV at slot kv_len + 1 + j of the request's
+        row; the request's sequence needs it at kv_len + d. (Each move's target lies before every
+        later move's source, so none overwrites another's.)"""
+        req, table = item.req, self.req_pool.table[item.req.row]
+        for depth, j in enumerate(nodes, 1):
+            if j != depth - 1:
+                self.runner.kv_cache.copy(table[req.kv_len + 1 + j: req.kv_len + 2 + j],
+                                          table[req.kv_len + depth: req.kv_len + depth + 1])
 
 
 def reportable(logprob: float) -> float:

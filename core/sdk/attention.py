@@ -33,6 +33,11 @@ class KVCache:
         self.k_buffers[layer_id][slots] = k.to(self.dtype)
         self.v_buffers[layer_id][slots] = v.to(self.dtype)
 
+    def copy(self, sources: torch.Tensor, targets: torch.Tensor) -> None:
+        """Every layer's keys and values at `sources` to `targets` (a tree draft's accepted nodes)."""
+        for buffer in self.k_buffers + self.v_buffers:
+            buffer[targets] = buffer[sources]
+
 
 class ForwardMode(str, enum.Enum):
     """What a forward pass computes (SGLang's names).

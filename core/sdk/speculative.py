@@ -7,12 +7,13 @@ the target's own next token. The rule (`accept_drafts`) samples the target at ev
 position with the request's own sampler and accepts a draft while the sample equals it: with
 greedy decoding that is the target's greedy output, and with temperature > 0 it is speculative
 sampling for a deterministic proposal (accept d with probability p(d), otherwise a token from p
-without d), so the output's distribution is the target's. Drafts are chains: a request's k
-drafts are the tokens its next k steps would produce.
+without d), so the output's distribution is the target's. Drafts are a chain (the tokens the
+next steps would produce) or a tree (`DraftTree`: several candidates a position); in a tree the
+target's sample at a node picks the child to follow, which keeps the rule exact.
 
-A verify pass lays each request's last token and drafts out as decode rows (one row per
-position, each attending to its own prefix), so every attention backend that decodes verifies,
-with the decode step's arithmetic.
+A verify pass lays each request's last token and drafts out as decode rows (one row per node,
+each attending to the cache and its own ancestors), so every attention backend that decodes
+verifies chains and trees alike, with the decode step's arithmetic.
 """
 
 from __future__ import annotations
@@ -145,14 +146,17 @@ class SpeculativeAlgorithm(ABC):
     #: The target's hidden states the algorithm reads (ForwardBatch.capture_layers numbering):
     #: every forward pass then captures them, and `observe` is handed them.
     capture_layers: tuple[int, ...] = ()
+    #: Whether `propose` may answer DraftTrees (--speculative-eagle-topk above 1 needs it).
+    supports_trees: bool = False
 
     def __init__(self, context: SpeculativeContext) -> None:
         self.context = context
         self.config = context.config
 
     @abstractmethod
-    def propose(self, requests: Sequence[DraftRequest], budgets: Sequence[int]) -> list[list[int]]:
-        """Up to budgets[i] draft tokens for requests[i] (fewer, or none, when unsure)."""
+    def propose(self, requests: Sequence[DraftRequest], budgets: Sequence[int]) -> list[list[int] | DraftTree]:
+        """Up to budgets[i] draft tokens for requests[i] (fewer, or none, when unsure): a chain,
+        or a DraftTree of up to budgets[i] nodes."""
 
     def verified(self, request: DraftRequest, proposed: int, accepted: int) -> None:
         """After a verify pass: `accepted` of the `proposed` drafts held, and request.token_ids
@@ -167,16 +171,64 @@ class SpeculativeAlgorithm(ABC):
         """The request finished (or was aborted): drop what was kept for it."""
 
 
-def accept_drafts(samples: Sequence[int], drafts: Sequence[int]) -> list[int]:
-    """The tokens a verify pass appends: the drafts while the target's sample at each position
-    equals them, then the target's sample at the first position that differs (or after the
-    last draft). samples has len(drafts) + 1 entries."""
-    if len(samples) != len(drafts) + 1:
-        raise ValueError(f"{len(samples)} samples for {len(drafts)} drafts: one more sample than drafts is needed")
-    out = []
-    for sample, draft in zip(samples, drafts):
+@dataclass(frozen=True)
+class DraftTree:
+    """Drafts as a tree: node j is token tokens[j] following node parents[j] (-1: the request's
+    last token); a parent comes before its children. A chain's parents are -1, 0, 1, ..."""
+
+    tokens: list[int]
+    parents: list[int]
+
+    def __post_init__(self) -> None:
+        if len(self.tokens) != len(self.parents):
+            raise ValueError(f"{len(self.tokens)} tokens for {len(self.parents)} parents")
+        for j, parent in enumerate(self.parents):
+            if not -1 <= parent < j:
+                raise ValueError(f"node {j}'s parent {parent}: a parent must come before its child (or be -1)")
+
+    @classmethod
+    def chain(cls, tokens: Sequence[int]) -> DraftTree:
+        return cls(list(tokens), list(range(-1, len(tokens) - 1)))
+
+    @property
+    def is_chain(self) -> bool:
+        return self.parents == list(range(-1, len(self.tokens) - 1))
+
+    def path(self, j: int) -> list[int]:
+        """The nodes from the root's child down to node j."""
+        nodes = []
+        while j >= 0:
+            nodes.append(j)
+            j = self.parents[j]
+        return nodes[::-1]
+
+    def depth(self, j: int) -> int:
+        return len(self.path(j))
+
+    def first(self, n: int) -> DraftTree:
+        """The tree of its first n nodes (parents come first: still a tree)."""
+        return DraftTree(self.tokens[:n], self.parents[:n])
+
+
+def accept_tree(samples: Sequence[int], tree: DraftTree) -> tuple[list[int], list[int]]:
+    """(the tokens a verify pass appends, the nodes accepted). samples[0] is the target's
+    sample after the request's last token, samples[1 + j] after node j: from the root, the
+    child whose token is the sample is followed while there is one; the last sample ends it."""
+    if len(samples) != len(tree.tokens) + 1:
+        raise ValueError(f"{len(samples)} samples for {len(tree.tokens)} drafts: one more sample than drafts is needed")
+    out, nodes, node = [], [], -1
+    while True:
+        sample = samples[node + 1]
         out.append(sample)
-        if sample != draft:
-            return out
-    out.append(samples[-1])
-    return out
+        child = next((j for j, (token, parent) in enumerate(zip(tree.tokens, tree.parents))
+                      if parent == node and token == sample), None)
+        if child is None:
+            return out, nodes
+        nodes.append(child)
+        node = child
+
+
+def accept_drafts(samples: Sequence[int], drafts: Sequence[int]) -> list[int]:
+    """accept_tree for a chain of drafts: the drafts while the target's sample at each position
+    equals them, then the target's sample where it differs (or after the last draft)."""
+    return accept_tree(samples, DraftTree.chain(drafts))[0]

@@ -1,5 +1,7 @@
 """EAGLE and EAGLE3 speculative decoding: a one-layer draft head reads the target's hidden
-states and drafts a chain of tokens (--speculative-eagle-topk 1), one head pass a draft.
+states and drafts a chain of tokens (--speculative-eagle-topk 1), one head pass a draft, or
+with a larger topk a tree (EAGLE-2's: each step expands the likeliest nodes by their likeliest
+tokens, and the budget's likeliest nodes are verified).
 
 Draft position p reads the token at p + 1 and a hidden state of position p: the target's where
 it is known (verified tokens), the head's own for the positions it drafts. EAGLE's head combines
@@ -27,7 +29,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from srv.sdk.speculative import DraftRequest, SpeculativeAlgorithm, SpeculativeContext
+from srv.sdk.speculative import DraftRequest, DraftTree, SpeculativeAlgorithm, SpeculativeContext
 
 
 class RMSNorm(nn.Module):
@@ -109,8 +111,8 @@ class DraftLayer(nn.Module):
 
 
 class EagleHead(nn.Module):
-    """EAGLE's or EAGLE3's draft head; `forward` returns (logits in the target's vocabulary,
-    the hidden state the next draft position reads)."""
+    """EAGLE's or EAGLE3's draft head; `forward` returns (logits over the draft vocabulary,
+    the hidden state the next draft position reads); `target_ids` maps draft ids to the target's."""
 
     def __init__(self, config: dict[str, Any], eagle3: bool, target_hidden: int, aux_count: int) -> None:
         super().__init__()
@@ -147,9 +149,11 @@ class EagleHead(nn.Module):
         residual = residual + x
         out = residual + layer.mlp_forward(layer.post_attention_layernorm(residual))
         if self.eagle3:
-            draft_ids = self.lm_head(self.norm(out)).argmax(-1)
-            return draft_ids + self.d2t[draft_ids], out
-        return target_head(out).argmax(-1), out
+            return self.lm_head(self.norm(out)), out
+        return target_head(out), out
+
+    def target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids] if self.eagle3 else draft_ids
 
 
 def load_head(path: Path, eagle3: bool, target_config: Any, aux_count: int) -> EagleHead:
@@ -190,6 +194,7 @@ class EagleAlgorithm(SpeculativeAlgorithm):
 
     default_num_draft_tokens = 4
     eagle3 = False
+    supports_trees = True
 
     def __init__(self, context: SpeculativeContext) -> None:
         super().__init__(context)
@@ -246,15 +251,52 @@ class EagleAlgorithm(SpeculativeAlgorithm):
             return []
         hidden = torch.stack([known.pop(p) for p in todo]).float()
         ids = torch.tensor(tokens[done + 1: last + 2])
-        token, out = self.head(self.embed(ids), hidden, torch.tensor(todo), cache, self.target_head)
+        logits, out = self.head(self.embed(ids), hidden, torch.tensor(todo), cache, self.target_head)
         self.computed[rid] += len(todo)
-        drafts = [int(token[-1])]
+        if self.config.eagle_topk > 1:
+            return self._tree(logits[-1], out[-1:], cache, last, budget)
+        drafts = [int(self.head.target_ids(logits[-1].argmax()))]
         state = out[-1:]
         for step in range(1, min(budget, self.steps)):
             position = torch.tensor([last + step])
-            token, state = self.head(self.embed(torch.tensor(drafts[-1:])), state, position, cache, self.target_head)
-            drafts.append(int(token[-1]))
+            logits, state = self.head(self.embed(torch.tensor(drafts[-1:])), state, position, cache, self.target_head)
+            drafts.append(int(self.head.target_ids(logits[-1].argmax())))
         return drafts
+
+    def _tree(self, logits: torch.Tensor, state: torch.Tensor, cache: list[torch.Tensor], last: int,
+              budget: int) -> DraftTree:
+        """EAGLE-2's dynamic tree: each step expands the topk most likely nodes of the last
+        level by their topk tokens (likelihood: the product of the head's probabilities along
+        the path); the budget's most likely nodes are drafted."""
+        k = self.config.eagle_topk
+        tokens, parents, scores, depths = [], [], [], []
+        frontier = []   # (node, the hidden state its expansion reads, the cache before it)
+        top = torch.log_softmax(logits.float(), -1).topk(k)
+        def add(token: int, parent: int, score: float) -> int:
+            tokens.append(token)
+            parents.append(parent)
+            scores.append(score)
+            depths.append(depths[parent] + 1 if parent >= 0 else 1)
+            return len(tokens) - 1
+
+        for value, index in zip(top.values.tolist(), top.indices):
+            frontier.append((add(int(self.head.target_ids(index)), -1, value), state, cache))
+        for _ in range(1, self.steps):
+            candidates = []
+            for node, node_state, parent_cache in frontier:
+                own = [parent_cache[0].clone(), parent_cache[1].clone()]
+                logits, out = self.head(self.embed(torch.tensor([tokens[node]])), node_state,
+                                        torch.tensor([last + depths[node]]), own, self.target_head)
+                top = torch.log_softmax(logits[-1].float(), -1).topk(k)
+                candidates += [(scores[node] + value, node, index, out[-1:], own)
+                               for value, index in zip(top.values.tolist(), top.indices)]
+            frontier = []
+            for score, parent, index, node_state, own in sorted(candidates, key=lambda c: -c[0])[:k]:
+                frontier.append((add(int(self.head.target_ids(index)), parent, score), node_state, own))
+        # A node is never likelier than its parent: the likeliest nodes include their ancestors.
+        kept = sorted(sorted(range(len(tokens)), key=lambda j: (-scores[j], j))[:budget])
+        index = {old: new for new, old in enumerate(kept)}
+        return DraftTree([tokens[j] for j in kept], [index.get(parents[j], -1) for j in kept])
 
 
 class Eagle3Algorithm(EagleAlgorithm):
