@@ -2,9 +2,10 @@
 each request gets (`Worker.run(batch) -> BatchResult`).
 
 The scheduler decides what runs and owns KV memory; the worker computes. A request may come with
-draft tokens (speculative decoding, `srv.engine.speculative`): its last token and drafts run as
-decode rows in the same pass (ForwardMode.TARGET_VERIFY), the sampler draws the target's token
-at every row, and `srv.sdk.speculative.accept_drafts` keeps the drafts the target agrees with.
+draft tokens, a chain or a tree (speculative decoding, `srv.engine.speculative`): its last token
+and drafts run as decode rows in the same pass (ForwardMode.TARGET_VERIFY), each seeing the
+cache and its ancestors; the sampler draws the target's token at every row, and
+`srv.sdk.speculative.accept_tree` keeps the drafts the target agrees with.
 """
 
 from __future__ import annotations
