@@ -73,12 +73,12 @@ def cpu_hog(wanted: bool) -> Iterator[None]:
         hog.wait()
 
 
-def accept_length(base_url: str) -> float:
-    """The server's mean accepted tokens per verify step so far (SGLang's avg_spec_accept_length)."""
+def verify_counts(base_url: str) -> tuple[int, int]:
+    """The server's verify steps and the tokens they gave, so far (srv's scheduler counters)."""
     import httpx
 
-    info = httpx.get(f"{base_url}/get_server_info", timeout=30).json()
-    return float(info["internal_states"][0]["avg_spec_accept_length"])
+    status = httpx.get(f"{base_url}/get_server_info", timeout=30).json()["scheduler"]
+    return status["spec_verifies"], status["spec_accepted_tokens"]
 
 
 def measure_server(engine: Engine, server: ServerProcess, workloads: list[Workload], rep: int, config: str,
@@ -94,11 +94,14 @@ def measure_server(engine: Engine, server: ServerProcess, workloads: list[Worklo
             line = shell_line(command).replace(server.base_url, "http://127.0.0.1:PORT")
             if line not in engine.load_commands:
                 engine.load_commands.append(line)
+            before = verify_counts(server.base_url) if workload.speculative else (0, 0)
             with cpu_hog(workload.hog):
                 result = run_load(command, f"{engine.name} {workload.name}")
             metrics = serve_metrics(result)
             if workload.speculative:
-                metrics["spec_accept_length"] = accept_length(server.base_url)
+                # This workload's own: the server's counters also hold the workloads before it.
+                verifies, tokens = (after - first for after, first in zip(verify_counts(server.base_url), before))
+                metrics["spec_accept_length"] = tokens / verifies if verifies else 0.0
             runs.append(Run(engine.name, rep, workload.name, metrics, config))
             logger.info("%s rep %d %s: %.1f output tok/s, TTFT p50 %.0f ms, TPOT p50 %.1f ms", engine.name, rep,
                         workload.name, result["output_throughput"], result["ttft_median_s"] * 1e3,

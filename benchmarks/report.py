@@ -254,8 +254,7 @@ def speculative_section(results: BenchResults) -> list[str]:
             "srv launched with `--speculative-algorithm NGRAM` (nothing else) serves W5 and W3 after its default "
             "server's runs; decode ms/token as a ratio, within each repetition (below 1× NGRAM is faster).", "",
             *md_table(["decode ms/token", "by repetition", "median"], rows, "lrr"), "",
-            "Mean accepted tokens per verify step (the target's own token included; the server's "
-            "`avg_spec_accept_length` after the workload): "
+            "Mean accepted tokens per verify step (the target's own token included), each workload's own: "
             + "; ".join(f"{w}: {', '.join(f'{a:.2f}' for a in values)}" for w, values in accept.items() if values)
             + ".", ""]
 

@@ -431,12 +431,13 @@ def test_kits_fail_broken_plugins_under_pytest(pytester):
         "TestDropsLast::test_repeated_calls_and_identical_requests",
         "TestNeverDrafts::test_greedy_output_is_the_targets",
         "TestNoRotaryModels::test_batched_greedy_matches_transformers",
+        "TestNoRotaryModels::test_hidden_states_match_transformers",
         "TestNoRotaryModels::test_prefix_cache_hits_match_transformers",
         "TestNoRotaryModels::test_prompt_logprobs_match_transformers",
         "TestSwappedLayersLoader::test_engine_greedy_matches_transformers",
         "TestSwappedLayersLoader::test_load_fills_srv_native_model",
     ]
-    result.assert_outcomes(passed=5 + 3 + 2 + 2, failed=15)
+    result.assert_outcomes(passed=5 + 3 + 2 + 2, failed=16)
     result.stdout.fnmatch_lines(["*order() lost requests with arrival_index*",
                                  "*the algorithm proposed no drafts for prompts that repeat themselves*"])
 
