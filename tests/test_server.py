@@ -379,7 +379,10 @@ def test_server_flags(tmp_path, default_model_dir):
 
 
 def test_scheduler_death_fails_requests_and_exits_non_zero(tmp_path):
-    server = Server("--crash-dump-folder", str(tmp_path / "dumps"), "--skip-server-warmup")
+    # A KV cache that holds the long request whatever memory the machine has free now (sized from
+    # free memory, the default can be smaller than the request when the page cache is large).
+    server = Server("--crash-dump-folder", str(tmp_path / "dumps"), "--skip-server-warmup",
+                    "--max-total-tokens", "8192")
     children = descendants(server.process.pid)
     scheduler = server.scheduler_status()["pid"]
     assert scheduler in children
