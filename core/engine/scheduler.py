@@ -76,7 +76,7 @@ class SchedulerStats:
 
     @property
     def spec_accept_length(self) -> float:
-        """Tokens a verified request gained per step (1.0: no draft ever held)."""
+        """Tokens a verified request gained per step (1.0: no draft ever held; 0.0 before any verify)."""
         return self.spec_accepted_tokens / self.spec_verifies if self.spec_verifies else 0.0
 
 
