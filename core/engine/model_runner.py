@@ -48,11 +48,12 @@ class ModelRunner:
         if on_model_dir is not None:
             on_model_dir(self.model_dir)
         self.config = self._load_config()
-        impl, self.model = self._build_model()
-        loader.load(self.model, self.model_dir)
         method = self._quantization(path)
         if method is not None:
             method.check(str(path))
+        impl, self.model = self._build_model(method)
+        loader.load(self.model, self.model_dir)
+        if method is not None:
             method.apply(self.model)
         self.model.to(self.dtype).eval()
         impl.finalize(self.model)
@@ -92,12 +93,10 @@ class ModelRunner:
         if name:
             return self.registry.choose("quantization", name).create(self.args)
         declared = (getattr(self.config, "quantization_config", None) or {}).get("quant_method")
-        if declared:
-            if declared not in self.registry.names("quantization"):
-                logger.warning("the checkpoint declares quantization %r, which no installed plugin provides", declared)
-                return None
+        if declared in self.registry.names("quantization"):
             logger.info("quantization %s, as the checkpoint's config declares", declared)
             return self.registry.choose("quantization", declared).create(self.args)
+        # A container format (compressed-tensors) names no method: the methods' `detects` read it.
         for registration in sorted(self.registry.registrations("quantization"), key=lambda r: -r.priority):
             if registration.availability().ok:
                 method = registration.create(self.args)
@@ -105,12 +104,14 @@ class ModelRunner:
                     logger.info("quantization %s: the checkpoint's own format (--quantization none dequantizes it)",
                                 registration.name)
                     return method
+        if declared:
+            logger.warning("the checkpoint declares quantization %r, which no installed plugin provides", declared)
         return None
 
     def _load_config(self) -> ModelConfig:
         return ModelConfig.read(self.model_dir, json.loads(self.args.json_model_override_args or "{}"))
 
-    def _build_model(self) -> tuple[ModelImpl, torch.nn.Module]:
+    def _build_model(self, method: QuantizationMethod | None) -> tuple[ModelImpl, torch.nn.Module]:
         impls = self.registry
         if self.args.model_impl != AUTO:
             impl = impls.choose("model_impl", self.args.model_impl).create(self.args)
@@ -125,8 +126,11 @@ class ModelRunner:
                 raise BackendUnavailable(f"no --model-impl supports {self.config.architectures} "
                                          f"(installed: {', '.join(impls.names('model_impl'))})")
         # Build without initialising: every parameter is about to be overwritten by the loader.
+        # The quantization method's slots are put in before the weights load, in its format.
         with torch.device("meta"):
             model = impl.build(self.config)
+            if method is not None:
+                method.prepare(model, self.config)
         return impl, materialize(model)
 
     def _attention(self, name: str | None) -> AttentionBackend:

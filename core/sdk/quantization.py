@@ -1,9 +1,20 @@
 """Base class for weight quantization methods (`--quantization`).
 
-A method runs once, when the loader has filled the model with float32 weights: it replaces
-linear layers with modules of its own that compute the same product from quantized weights.
-The model is then cast to the served dtype (`Module.to` casts parameters and buffers, so keep
-quantized data that must not be cast as plain attributes) and handed to the model
+A method acts at two points of a launch:
+
+1. `prepare`, on the model just built on the meta device, before any weight is read: each
+   linear layer the method claims (`linear_method` returns a `srv.sdk.linear.LinearMethod`)
+   becomes a `srv.sdk.linear.Linear` slot holding the weights in the method's format, which
+   the loader fills from the checkpoint by name. This is how a checkpoint stored quantized
+   (int8 weights with their scales) is read as it is, and how a float checkpoint is quantized
+   as it loads (the slot takes float weights and quantizes them in
+   `process_weights_after_loading`).
+2. `apply`, once the loader is done: every slot's `process_weights_after_loading`, then
+   `quantize` on each remaining `nn.Linear`, for a method that recovers its format from
+   weights a loader has already turned to float (gguf: the GGUF loader dequantizes the file).
+
+The model is then cast to the served dtype (`Module.to` casts floating parameters and buffers,
+so keep quantized data that must not be cast as plain attributes) and handed to the model
 implementation's `finalize`. A replacement may keep an `nn.Linear` inside it (a dense copy for
 large batches, say); `finalize` repacks that one like any other.
 
@@ -16,15 +27,19 @@ kit checks that kernel against `forward`.
 from __future__ import annotations
 
 import logging
-from abc import ABC, abstractmethod
+from abc import ABC
 from typing import Any
 
 from torch import nn
+
+from srv.sdk.linear import Linear, LinearMethod
 
 logger = logging.getLogger("srv.quantization")
 
 
 class QuantizationMethod(ABC):
+    model_config: Any = None   # the checkpoint's config, from `prepare`
+
     def __init__(self, server_args: Any = None) -> None:
         self.server_args = server_args
 
@@ -37,13 +52,40 @@ class QuantizationMethod(ABC):
         method in quantization_config gets that method without asking). Optional."""
         return False
 
-    @abstractmethod
+    def linear_method(self, name: str, layer: nn.Linear) -> LinearMethod | None:
+        """The weights' format for the linear layer `name` of the model (built on the meta
+        device, not loaded), or None to leave it to `quantize` after loading. `self.model_config`
+        is the checkpoint's config (its quantization_config says how it is stored)."""
+        return None
+
     def quantize(self, name: str, linear: nn.Linear) -> nn.Module | None:
-        """The module that replaces `linear` (named `name` in the model), or None to keep it."""
+        """The module that replaces the loaded float layer `linear` (named `name`), or None to
+        keep it."""
+        return None
+
+    def prepare(self, model: nn.Module, model_config: Any = None) -> int:
+        """Put a `Linear` slot wherever `linear_method` claims a layer; returns how many. Called
+        on the meta device, where the slots' parameters are created too."""
+        self.model_config = model_config
+        slots = 0
+        for name, module in list(model.named_modules()):
+            if isinstance(module, nn.Linear):
+                method = self.linear_method(name, module)
+                if method is not None:
+                    parent, _, leaf = name.rpartition(".")
+                    setattr(model.get_submodule(parent), leaf,
+                            Linear(module.in_features, module.out_features, module.bias is not None, method))
+                    slots += 1
+        return slots
 
     def apply(self, model: nn.Module) -> int:
-        """Replace every linear layer `quantize` accepts; returns how many were replaced."""
+        """Finish every slot's weights, then replace every linear layer `quantize` accepts;
+        returns how many layers are quantized in all."""
         replaced = 0
+        for module in model.modules():
+            if isinstance(module, Linear):
+                module.method.process_weights_after_loading(module)
+                replaced += 1
         for name, module in list(model.named_modules()):
             if isinstance(module, nn.Linear):
                 replacement = self.quantize(name, module)

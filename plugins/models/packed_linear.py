@@ -21,6 +21,7 @@ class PackedLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        self.weight_dtype = weight.dtype   # `weight` itself is dropped once reordered
         self.register_buffer("weight", weight.detach(), persistent=False)
         self.register_buffer("packed_weight", None, persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)

@@ -1,9 +1,33 @@
-"""Built-in quantization plugin: `--quantization gguf`, a GGUF file's 4-bit and 8-bit weights
-computed by srv's C kernels (AVX2), compiled on first use."""
+"""Built-in quantization plugins: `--quantization gguf` (a GGUF file's 4-bit and 8-bit blocks),
+`w8a8_int8` (int8 weights and activations, int32 accumulation), both on srv's C kernels
+compiled on first use, and the GPU-only methods of SGLang's list, registered with what they need."""
 
-from srv.sdk import all_of, hookimpl, requires_c_compiler, requires_cpu_flags
+from srv.sdk import Availability, all_of, hookimpl, requires_c_compiler, requires_cpu_flags, requires_cuda
 
 SRV_SDK_VERSION = ">=0.1,<0.2"
+
+# SGLang's methods whose kernels exist only for NVIDIA or AMD GPUs (Marlin, CUTLASS, Triton
+# fp8 and fp4 GEMMs): selectable by name, refused with what they need.
+GPU_ONLY = {
+    "marlin": "Marlin int4 GEMM kernels (CUDA, compute capability 8.0+)",
+    "gptq_marlin": "Marlin int4 GEMM kernels (CUDA, compute capability 8.0+)",
+    "awq_marlin": "Marlin int4 GEMM kernels (CUDA, compute capability 8.0+)",
+    "modelopt": "NVIDIA ModelOpt fp8 kernels (CUDA, compute capability 8.9+)",
+    "modelopt_fp4": "NVIDIA fp4 tensor cores (CUDA, compute capability 10.0+)",
+    "petit_nvfp4": "Petit's nvfp4 kernels for AMD Instinct GPUs (ROCm, MI200 or MI300)",
+    "mxfp4": "mxfp4 GEMM kernels (CUDA compute capability 9.0+, or ROCm MI300+)",
+    "qoq": "QoQ's W4A8 CUDA kernels (compute capability 8.0+)",
+    "w4afp8": "W4A8-fp8 CUTLASS kernels (CUDA, compute capability 9.0+)",
+    "moe_wna16": "fused MoE WNA16 Triton kernels (CUDA)",
+}
+
+
+def needs_gpu(name: str, what: str):
+    def check() -> Availability:
+        if not requires_cuda().ok:
+            return Availability.no(f"needs {what}; torch sees no GPU")
+        return Availability.no(f"needs {what}; srv has no {name} kernels yet")
+    return check
 
 
 @hookimpl
@@ -12,3 +36,12 @@ def srv_register_quantization_methods(register):
              description="a .gguf file's Q4_1 and Q8_0 weights as they are, on srv's C kernels for "
                          "decode batches",
              available=all_of(requires_cpu_flags("avx2", "fma"), requires_c_compiler), priority=10)
+    register("w8a8_int8", "srv.plugins.quantization.w8a8_int8:W8A8Int8Quantization",
+             description="int8 weights per channel, int8 activations per token, int32 products "
+                         "(AVX512-VNNI, AVX2 or portable C; oneDNN for large batches); reads SGLang's "
+                         "and compressed-tensors' int8 checkpoints, quantizes float ones at load",
+             available=requires_c_compiler, priority=5)
+    for name, what in GPU_ONLY.items():
+        register(name, "srv.plugins.quantization.gpu_only:GPUOnlyQuantization",
+                 description=f"SGLang's {name}: GPU kernels only",
+                 available=needs_gpu(name, what))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import pytest
@@ -45,6 +46,17 @@ class QuantizationMethodKit:
     def make_weight(self, out_features: int, in_features: int, generator: torch.Generator) -> torch.Tensor:
         return torch.randn(out_features, in_features, generator=generator) * 0.05
 
+    def quantized_model(self, bias: bool = False, seed: int = 0) -> tuple[nn.Sequential, int]:
+        """`make_model`'s model quantized as srv does it at launch: the method's slots put in
+        (`prepare`), the float weights loaded into them, then `apply`. Returns it and what
+        `apply` counted."""
+        model = self.make_model(bias, seed)
+        weights = model.state_dict()
+        method = self.make_method()
+        method.prepare(model)
+        model.load_state_dict(weights)
+        return model, method.apply(model)
+
     def make_model(self, bias: bool = False, seed: int = 0) -> nn.Sequential:
         generator = torch.Generator().manual_seed(seed)
         layers = []
@@ -60,8 +72,7 @@ class QuantizationMethodKit:
     # ---- the tests -------------------------------------------------------------------------
 
     def test_apply_replaces_the_layers_and_counts_them(self) -> None:
-        model = self.make_model()
-        replaced = self.make_method().apply(model)
+        model, replaced = self.quantized_model()
         plain = sum(type(m) is nn.Linear for m in model)
         assert replaced == len(SHAPES) - plain, f"apply returned {replaced}, but {len(SHAPES) - plain} layers changed"
         assert replaced > 0, "the method replaced none of the kit's layers: override make_weight with weights it takes"
@@ -70,9 +81,7 @@ class QuantizationMethodKit:
     def test_products_match_the_original_layers(self, bias: bool) -> None:
         for dtype in self.dtypes:
             original = self.make_model(bias)
-            quantized = self.make_model(bias)
-            self.make_method().apply(quantized)
-            quantized.to(dtype)
+            quantized = self.quantized_model(bias)[0].to(dtype)
             generator = torch.Generator().manual_seed(1)
             for index, (reference_layer, layer) in enumerate(zip(original, quantized)):
                 for rows in self.row_counts:
@@ -88,9 +97,7 @@ class QuantizationMethodKit:
                         f"relative error {error:.4f} > {self.relative_tolerance}")
 
     def test_keeps_leading_dimensions(self) -> None:
-        model = self.make_model()
-        self.make_method().apply(model)
-        layer = model[0]
+        layer = self.quantized_model()[0][0]
         x = torch.randn(2, 5, SHAPES[0][1])
         with torch.inference_mode():
             assert layer(x).shape == (2, 5, SHAPES[0][0])
@@ -100,8 +107,7 @@ class QuantizationMethodKit:
         for that many rows, to the bit (a model may call either for the same batch)."""
         offered = 0
         for bias in (False, True):
-            model = self.make_model(bias)
-            self.make_method().apply(model)
+            model = self.quantized_model(bias)[0]
             generator = torch.Generator().manual_seed(2)
             for index, layer in enumerate(model):
                 for rows in self.row_counts:
@@ -116,3 +122,68 @@ class QuantizationMethodKit:
                         f"layer {index}, {rows} rows, bias={bias}: native_linear differs from forward"
         if not offered:
             pytest.skip("the method's layers offer no native kernel (optional)")
+
+
+# Prompts of the accuracy measure: prose, code, a list, a question and chat-like text.
+ACCURACY_PROMPTS = (
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a land far away,",
+    "List three colors:",
+    "Question: What is the boiling point of water at sea level?\nAnswer:",
+    "The quick brown fox jumps over",
+    "import numpy as np\n\nx = np.array(",
+    "Dear Sir or Madam,\n\nI am writing to",
+)
+
+
+@dataclass(frozen=True)
+class Accuracy:
+    """How close a quantized model's next-token choices are to float32's, along float32's own
+    greedy continuations (each position scored with the same context for both):
+
+    top1_logprob_error: the mean absolute difference of the log-probability the two give
+        float32's greedy token;
+    greedy_agreement: the share of positions where the quantized model's greedy token is
+        float32's.
+    """
+
+    top1_logprob_error: float
+    greedy_agreement: float
+    positions: int
+
+
+def measure_accuracy(engine_flags: dict[str, Any], reference_flags: dict[str, Any] | None = None,
+                     prompts: tuple[str, ...] = ACCURACY_PROMPTS, steps: int = 32) -> Accuracy:
+    """`Accuracy` of srv.Engine(**engine_flags) against srv.Engine(**reference_flags) (float32,
+    unquantized by default) over `steps` greedy tokens of each prompt."""
+    import srv
+
+    reference_flags = reference_flags or {"dtype": "float32", "quantization": "none"}
+    with srv.Engine(**reference_flags) as reference:
+        prompt_ids = [reference.tokenizer.encode(p) for p in prompts]
+        greedy = {"max_new_tokens": steps, "temperature": 0, "ignore_eos": True}
+        continuations = [r["output_ids"] for r in reference.generate(input_ids=prompt_ids, sampling_params=greedy)]
+        expected = _scored(reference, prompt_ids, continuations)
+    with srv.Engine(**engine_flags) as engine:
+        observed = _scored(engine, prompt_ids, continuations)
+    errors, agreements = [], []
+    for want, got in zip(expected, observed):
+        for (logprob, _), (their_logprob, their_best) in zip(want, got):
+            errors.append(abs(their_logprob - logprob))
+            agreements.append(their_best)
+    return Accuracy(sum(errors) / len(errors), sum(agreements) / len(agreements), len(errors))
+
+
+def _scored(engine: Any, prompt_ids: list[list[int]], continuations: list[list[int]]) -> list[list[tuple[float, bool]]]:
+    """Per continuation token: (its log-probability, whether it is the model's greedy choice)."""
+    params = [{"max_new_tokens": 1, "temperature": 0, "logprob_start_len": len(p), "top_logprobs": 1}
+              for p in prompt_ids]
+    results = engine.generate(input_ids=[p + c for p, c in zip(prompt_ids, continuations)], sampling_params=params)
+    scored = []
+    for result, continuation in zip(results, continuations):
+        meta = result["meta_info"]
+        logprobs = [logprob for logprob, _ in meta["input_token_logprobs"]]
+        best = [top[0][0] for top in meta["input_top_logprobs"]]
+        scored.append([(lp, b == token) for lp, b, token in zip(logprobs, best, continuation)])
+    return scored

@@ -1,0 +1,74 @@
+"""A linear layer whose weights a `LinearMethod` owns: the slot quantization plugins fill.
+
+A model is built on the meta device with plain `nn.Linear` layers. Before any weight is read,
+the chosen quantization method (`QuantizationMethod.linear_method`) may claim a layer: srv
+then puts a `Linear` in its place, and the method's `create_weights` registers the parameters
+the checkpoint holds for that layer in the method's own format (int8 `weight` and a float32
+`weight_scale`, say). The loader fills them by their checkpoint names; a model that stores
+projections fused (query, key and value in one layer) copies each checkpoint shard into rows
+of each parameter, so every parameter a method creates is indexed by output feature along its
+first dimension (the same split tensor parallelism will make). Once every weight is in,
+`process_weights_after_loading` turns them into what `apply` computes with (quantizing a float
+checkpoint at load, repacking for a kernel).
+
+A method's parameters are cast with the model to the served dtype where they are floating
+point; what must keep its dtype (scales) is kept as plain attributes by
+`process_weights_after_loading`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+from torch import nn
+
+from srv.sdk.native import NativeKernel
+
+
+class LinearMethod(ABC):
+    """How one linear layer stores its weights and computes y = x W^T (+ b)."""
+
+    @abstractmethod
+    def create_weights(self, layer: Linear) -> None:
+        """Register the layer's parameters (`layer.register_parameter`), shaped from
+        `layer.in_features` and `layer.out_features`, output features first. The bias, when the
+        layer has one, is registered by `Linear` itself."""
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        """Called once the loader has filled the parameters (optional)."""
+
+    @abstractmethod
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in_features] in the served dtype -> [..., out_features] in the same dtype."""
+
+    def native_linear(self, layer: Linear, rows: int) -> NativeKernel | None:
+        """A C kernel computing this layer's float32 forward for `rows` rows, to the bit (see
+        srv.sdk.native.NativeKernel), or None. A model whose every product has one runs its
+        decode steps' layers in C."""
+        return None
+
+
+class Linear(nn.Module):
+    """y = method.apply(self, x), with the weights `method` created."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, method: LinearMethod) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.method = in_features, out_features, method
+        method.create_weights(self)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.method.apply(self, x)
+
+    def native_linear(self, rows: int) -> NativeKernel | None:
+        return self.method.native_linear(self, rows)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"method={type(self.method).__name__}")
+
+
+def parameter(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    """An empty parameter a method registers (frozen: srv never trains)."""
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)

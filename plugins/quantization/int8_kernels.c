@@ -1,0 +1,177 @@
+/* w8a8_int8 products: float32 activations quantized per row to int8, multiplied into int8
+ * weights quantized per output channel, accumulated exactly in int32.
+ *
+ *   sx[m]   = max(max_k |x[m][k]|, 1e-10) / 127
+ *   q[m][k] = round_half_even(x[m][k] / sx[m]), clamped to -127..127
+ *   y[m][n] = ((float)(sum_k q[m][k] * w[n][k]) * sx[m]) * scale[n]  (+ bias[n])
+ *
+ * The quantization and the epilogue are the same float32 operations, in the same order, as the
+ * torch path of w8a8_int8.py, and int32 sums do not depend on their order, so every instruction
+ * set below gives the same bits as that path (the tests compare them).
+ *
+ * Instruction sets, picked per context (`isa`) by the Python side from the CPU's flags:
+ *   0 portable C;
+ *   1 AVX2: vpmaddubsw takes unsigned times signed bytes, so |w| multiplies sign(q, w); each
+ *     pair of products is at most 2 * 128 * 127, inside int16;
+ *   2 AVX512-VNNI: vpdpbusd accumulates (q + 128) * w in int32; 128 * sum_k w[n][k] is taken
+ *     off once per output (`weight_sums`).
+ * Weights w [N][K] int8 row-major; x [M][K] and y [M][N] float32 row-major.
+ * Threads: OpenMP over output channels, in torch's runtime and thread count.
+ */
+
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+typedef struct {
+    int64_t isa;
+    int64_t in_features, out_features;
+    const int8_t *weight;       /* [N][K] */
+    const float *scale;         /* [N] */
+    const float *bias;          /* [N] or NULL */
+    const int32_t *weight_sums; /* [N]: sum_k w[n][k], for isa 2 */
+} Int8Linear;
+
+/* Rows of activations the AVX2 and VNNI loops keep in registers at once. */
+#define ROW_GROUP 4
+
+/* q [rows][k] and scales [rows] of x [rows][k], as above. */
+void srv_int8_quantize_rows(const float *x, int64_t rows, int64_t k, int8_t *q, float *scales) {
+    #pragma omp parallel for schedule(static) if (rows * k >= 65536)
+    for (int64_t m = 0; m < rows; m++) {
+        const float *row = x + m * k;
+        float largest = 0.0f;
+        for (int64_t i = 0; i < k; i++) {
+            float a = fabsf(row[i]);
+            largest = a > largest ? a : largest;
+        }
+        float scale = (largest > 1e-10f ? largest : 1e-10f) / 127.0f;
+        scales[m] = scale;
+        for (int64_t i = 0; i < k; i++) {
+            float v = nearbyintf(row[i] / scale);
+            v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
+            q[m * k + i] = (int8_t)v;
+        }
+    }
+}
+
+static void dot_portable(const Int8Linear *c, const int8_t *q, int64_t rows, int64_t n, int32_t *acc) {
+    const int64_t k = c->in_features;
+    const int8_t *w = c->weight + n * k;
+    for (int64_t m = 0; m < rows; m++) {
+        int32_t s = 0;
+        for (int64_t i = 0; i < k; i++) s += (int32_t)q[m * k + i] * (int32_t)w[i];
+        acc[m] = s;
+    }
+}
+
+__attribute__((target("avx2,fma")))
+static inline int32_t hsum_epi32_avx2(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+    return _mm_cvtsi128_si32(s);
+}
+
+__attribute__((target("avx2,fma")))
+static void dot_avx2(const Int8Linear *c, const int8_t *q, int64_t rows, int64_t n, int32_t *acc) {
+    const int64_t k = c->in_features, body = k - k % 32;
+    const int8_t *w = c->weight + n * k;
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int64_t m0 = 0; m0 < rows; m0 += ROW_GROUP) {
+        const int64_t group = rows - m0 < ROW_GROUP ? rows - m0 : ROW_GROUP;
+        __m256i sums[ROW_GROUP];
+        for (int g = 0; g < ROW_GROUP; g++) sums[g] = _mm256_setzero_si256();
+        for (int64_t i = 0; i < body; i += 32) {
+            const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + i));
+            const __m256i magnitude = _mm256_sign_epi8(wv, wv);
+            for (int g = 0; g < group; g++) {
+                const __m256i qv = _mm256_loadu_si256((const __m256i *)(q + (m0 + g) * k + i));
+                const __m256i pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(qv, wv));
+                sums[g] = _mm256_add_epi32(sums[g], _mm256_madd_epi16(pairs, ones));
+            }
+        }
+        for (int g = 0; g < group; g++) {
+            int32_t s = hsum_epi32_avx2(sums[g]);
+            const int8_t *qr = q + (m0 + g) * k;
+            for (int64_t i = body; i < k; i++) s += (int32_t)qr[i] * (int32_t)w[i];
+            acc[m0 + g] = s;
+        }
+    }
+}
+
+/* q + 128 as unsigned bytes: VNNI's unsigned operand. */
+static void offset_rows(const int8_t *q, int64_t count, uint8_t *out) {
+    for (int64_t i = 0; i < count; i++) out[i] = (uint8_t)((int32_t)q[i] + 128);
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vnni")))
+static void dot_vnni(const Int8Linear *c, const uint8_t *u, int64_t rows, int64_t n, int32_t *acc) {
+    const int64_t k = c->in_features, body = k - k % 64;
+    const int8_t *w = c->weight + n * k;
+    const __mmask64 tail = k % 64 ? (~0ULL >> (64 - k % 64)) : 0;
+    for (int64_t m0 = 0; m0 < rows; m0 += ROW_GROUP) {
+        const int64_t group = rows - m0 < ROW_GROUP ? rows - m0 : ROW_GROUP;
+        __m512i sums[ROW_GROUP];
+        for (int g = 0; g < ROW_GROUP; g++) sums[g] = _mm512_setzero_si512();
+        for (int64_t i = 0; i < body; i += 64) {
+            const __m512i wv = _mm512_loadu_si512((const void *)(w + i));
+            for (int g = 0; g < group; g++)
+                sums[g] = _mm512_dpbusd_epi32(sums[g], _mm512_loadu_si512((const void *)(u + (m0 + g) * k + i)), wv);
+        }
+        if (tail) {
+            const __m512i wv = _mm512_maskz_loadu_epi8(tail, w + body);
+            for (int g = 0; g < group; g++)
+                sums[g] = _mm512_dpbusd_epi32(sums[g], _mm512_maskz_loadu_epi8(tail, u + (m0 + g) * k + body), wv);
+        }
+        for (int g = 0; g < group; g++)
+            acc[m0 + g] = _mm512_reduce_add_epi32(sums[g]) - 128 * c->weight_sums[n];
+    }
+}
+
+/* y [rows][N] from int32 products acc [rows][N] (computed elsewhere: oneDNN's GEMM), the
+ * epilogue above. */
+void srv_int8_scale_products(const Int8Linear *c, const int32_t *acc, const float *sx, int64_t rows, float *y) {
+    const int64_t n_out = c->out_features;
+    #pragma omp parallel for schedule(static)
+    for (int64_t m = 0; m < rows; m++) {
+        const int32_t *a = acc + m * n_out;
+        float *out = y + m * n_out;
+        for (int64_t n = 0; n < n_out; n++) {
+            float v = ((float)a[n] * sx[m]) * c->scale[n];
+            if (c->bias) v += c->bias[n];
+            out[n] = v;
+        }
+    }
+}
+
+/* y [rows][N] = the product of x [rows][K] (float32) with the layer, as described above. */
+void srv_int8_linear(const Int8Linear *c, const float *x, int64_t rows, float *y) {
+    const int64_t k = c->in_features, n_out = c->out_features;
+    int8_t *q = malloc((size_t)(rows * k) + 64);
+    float *sx = malloc(sizeof(float) * (size_t)rows);
+    uint8_t *u = c->isa == 2 ? malloc((size_t)(rows * k) + 64) : NULL;
+    srv_int8_quantize_rows(x, rows, k, q, sx);
+    if (u) offset_rows(q, rows * k, u);
+    #pragma omp parallel
+    {
+        int32_t *acc = malloc(sizeof(int32_t) * (size_t)rows);
+        #pragma omp for schedule(static)
+        for (int64_t n = 0; n < n_out; n++) {
+            if (c->isa == 2) dot_vnni(c, u, rows, n, acc);
+            else if (c->isa == 1) dot_avx2(c, q, rows, n, acc);
+            else dot_portable(c, q, rows, n, acc);
+            const float scale = c->scale[n];
+            for (int64_t m = 0; m < rows; m++) {
+                float v = ((float)acc[m] * sx[m]) * scale;
+                if (c->bias) v += c->bias[n];
+                y[m * n_out + n] = v;
+            }
+        }
+        free(acc);
+    }
+    free(q);
+    free(sx);
+    free(u);
+}

@@ -1,0 +1,243 @@
+"""`--quantization w8a8_int8`: int8 weights per output channel, activations quantized per token
+at run time, int8 x int8 products accumulated exactly in int32.
+
+For a layer with int8 weights w [N, K] and float32 scales s [N] (w_float ~ s[n] * w[n, k]), a
+batch x [M, K] is computed as
+
+    sx[m] = max(max_k |x[m, k]|, 1e-10) / 127,   q = round(x / sx) clamped to -127..127,
+    y[m, n] = (int32 sum_k q[m, k] * w[n, k]) * sx[m] * s[n]  (+ bias[n]).
+
+Two ways compute it, to the same bits (int32 sums are exact in any order, the float steps are
+the same operations in the same order): batches under NATIVE_ROWS rows go to the C kernel of
+int8_kernels.c, which reads each weight row once for every activation row (decode steps, bound
+by the weight bytes; AVX512-VNNI or AVX2 by the CPU's flags), and larger batches to torch's
+`_int_mm` (oneDNN's int8 GEMM: AMX-INT8, VNNI or AVX2 where the machine has them), bound by
+arithmetic.
+
+Checkpoints:
+- SGLang's w8a8_int8 (`quantization_config.quant_method` "w8a8_int8") and compressed-tensors'
+  int8 channel-wise weights with dynamic per-token activations (RedHatAI's `quantized.w8a8`
+  models: quant_method "compressed-tensors", format "int-quantized"): each linear layer has an
+  int8 `weight` [N, K] and a `weight_scale` [N, 1]; the head and the layers in
+  compressed-tensors' `ignore` stay float. Other compressed-tensors schemes are refused, saying
+  what differs.
+- A float checkpoint is quantized as it loads, every linear layer including the head:
+  s[n] = max_k |w[n, k]| / 127, w = round(w_float / s) (the same per-channel symmetric
+  quantization the checkpoints above are made with).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import json
+import logging
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from srv.sdk import requires_cpu_flags
+from srv.sdk.linear import Linear, LinearMethod, parameter
+from srv.sdk.native import NativeKernel, load_c_library
+from srv.sdk.quantization import QuantizationMethod
+
+logger = logging.getLogger("srv.quantization")
+
+# Rows from which torch's int8 GEMM computes a product called from Python; fewer rows take the C
+# kernel (measured on AVX512-VNNI with AMX: the kernel is 1.5-2x faster at 1-4 rows, oneDNN 1.5x
+# at 16). The C decode layers (native_linear) call the kernel up to NATIVE_LAYER_ROWS rows: there
+# it also saves the Python calls of every product, which outweighs oneDNN's faster GEMM.
+NATIVE_ROWS = 12
+NATIVE_LAYER_ROWS = 32
+SMALLEST_SCALE = 1e-10
+ISAS = {"portable": 0, "avx2": 1, "avx512_vnni": 2}
+
+
+@functools.cache
+def kernels() -> ctypes.CDLL:
+    # No instruction-set flags: each kernel is compiled for its own (target attributes) and the
+    # Python side picks the one the CPU has.
+    library = load_c_library(Path(__file__).with_name("int8_kernels.c"))
+    pointer, size = ctypes.c_void_p, ctypes.c_int64
+    library.srv_int8_linear.argtypes = [pointer, pointer, size, pointer]
+    library.srv_int8_quantize_rows.argtypes = [pointer, size, size, pointer, pointer]
+    library.srv_int8_scale_products.argtypes = [pointer, pointer, pointer, size, pointer]
+    return library
+
+
+@functools.cache
+def best_isa() -> str:
+    """The fastest kernel this CPU runs; $SRV_INT8_ISA picks another (a slower one, to test it)."""
+    forced = os.environ.get("SRV_INT8_ISA")
+    if forced:
+        if forced not in ISAS:
+            raise ValueError(f"SRV_INT8_ISA={forced}: one of {', '.join(ISAS)}")
+        return forced
+    if requires_cpu_flags("avx512f", "avx512bw", "avx512_vnni")().ok:
+        return "avx512_vnni"
+    return "avx2" if requires_cpu_flags("avx2", "fma")().ok else "portable"
+
+
+class Int8LinearContext(ctypes.Structure):
+    """What srv_int8_linear reads."""
+    _fields_ = [("isa", ctypes.c_int64), ("in_features", ctypes.c_int64), ("out_features", ctypes.c_int64),
+                ("weight", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("bias", ctypes.c_void_p),
+                ("weight_sums", ctypes.c_void_p)]
+
+
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel symmetric int8: (q [N, K] int8, scale [N] float32) with weight ~ scale[:, None] * q."""
+    weight = weight.float()
+    scale = weight.abs().amax(1).clamp_min(SMALLEST_SCALE) / 127
+    return torch.round(weight / scale[:, None]).clamp_(-127, 127).to(torch.int8), scale
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row symmetric int8 of float32 x [M, K] contiguous: (q [M, K] int8, scale [M]), by
+    the kernels' own function (torch's operators give the same values in eight passes)."""
+    q, scale = torch.empty(x.shape, dtype=torch.int8), torch.empty(x.shape[0])
+    kernels().srv_int8_quantize_rows(x.data_ptr(), x.shape[0], x.shape[1], q.data_ptr(), scale.data_ptr())
+    return q, scale
+
+
+class Int8Weight:
+    """A layer's int8 weights and float32 scales (and bias), with the C kernel's context.
+    Plain attributes of the layer: casting the model to the served dtype must leave them."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, isa: str) -> None:
+        self.q, self.scale = q.contiguous(), scale.float().reshape(-1).contiguous()
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+        self.weight_sums = self.q.sum(1, dtype=torch.int32)
+        self.out_features, self.in_features = self.q.shape
+        self.context = Int8LinearContext(ISAS[isa], self.in_features, self.out_features, self.q.data_ptr(),
+                                         self.scale.data_ptr(), None if self.bias is None else self.bias.data_ptr(),
+                                         self.weight_sums.data_ptr())
+        self.kernel = NativeKernel.of(kernels().srv_int8_linear, self.context)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] float32 contiguous -> [M, N] float32."""
+        rows = x.shape[0]
+        if rows < NATIVE_ROWS:
+            y = torch.empty(rows, self.out_features)
+            kernels().srv_int8_linear(ctypes.addressof(self.context), x.data_ptr(), rows, y.data_ptr())
+            return y
+        q, sx = quantize_rows(x)
+        products = torch._int_mm(q, self.q.t())
+        y = torch.empty(rows, self.out_features)
+        kernels().srv_int8_scale_products(ctypes.addressof(self.context), products.data_ptr(), sx.data_ptr(), rows,
+                                          y.data_ptr())
+        return y
+
+
+class Int8LinearMethod(LinearMethod):
+    """`stored`: the checkpoint holds int8 `weight` and `weight_scale`; otherwise it holds a float
+    `weight`, quantized once loaded."""
+
+    def __init__(self, stored: bool, isa: str) -> None:
+        self.stored, self.isa = stored, isa
+
+    def create_weights(self, layer: Linear) -> None:
+        n, k = layer.out_features, layer.in_features
+        if self.stored:
+            layer.register_parameter("weight", parameter(n, k, dtype=torch.int8))
+            layer.register_parameter("weight_scale", parameter(n, 1, dtype=torch.float32))
+        else:
+            layer.register_parameter("weight", parameter(n, k, dtype=torch.float32))
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        if self.stored:
+            q, scale = layer.weight.data, layer.weight_scale.data
+            del layer.weight_scale
+        else:
+            q, scale = quantize_weight(layer.weight.data)
+        del layer.weight
+        layer.int8 = Int8Weight(q, scale, layer.bias, self.isa)
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // layer.in_features
+        y = layer.int8.matmul(x.reshape(rows, layer.in_features).float().contiguous())
+        return y.to(x.dtype).view(*x.shape[:-1], layer.out_features)
+
+    def native_linear(self, layer: Linear, rows: int) -> NativeKernel | None:
+        # Larger batches are faster on oneDNN's GEMM, which the C layers cannot call.
+        return layer.int8.kernel if rows < NATIVE_LAYER_ROWS else None
+
+
+class W8A8Int8Quantization(QuantizationMethod):
+    def __init__(self, server_args: Any = None) -> None:
+        super().__init__(server_args)
+        self.isa = best_isa()
+
+    def detects(self, model_path: str) -> bool:
+        return compressed_tensors_int8(read_quantization_config(model_path)) is not None
+
+    def check(self, model_path: str) -> None:
+        config = read_quantization_config(model_path)
+        method = config.get("quant_method")
+        if method == "compressed-tensors":
+            compressed_tensors_int8(config, refuse=True)
+        elif method not in (None, "w8a8_int8"):
+            raise ValueError(f"--quantization w8a8_int8 cannot read a checkpoint quantized with {method!r}")
+        kernels()   # a compiler error now, at launch, rather than at the first request
+        logger.info("w8a8_int8: %s kernels", self.isa)
+
+    def linear_method(self, name: str, layer: nn.Linear) -> LinearMethod | None:
+        config = dict(getattr(self.model_config, "quantization_config", None) or {})
+        method = config.get("quant_method")
+        if method is None:
+            return Int8LinearMethod(stored=False, isa=self.isa)
+        # The checkpoints keep their head in float (SGLang computes a head unquantized whatever
+        # the method), so a tied head is the embedding matrix.
+        if name.rsplit(".", 1)[-1] == "lm_head" or ignored(name, config.get("ignore") or []):
+            return None
+        return Int8LinearMethod(stored=True, isa=self.isa)
+
+
+def read_quantization_config(model_path: str) -> dict[str, Any]:
+    config = Path(model_path) / "config.json"
+    if not config.is_file():
+        return {}
+    return json.loads(config.read_text()).get("quantization_config") or {}
+
+
+def compressed_tensors_int8(config: dict[str, Any], refuse: bool = False) -> dict[str, Any] | None:
+    """The scheme of a compressed-tensors config this method computes (int8 channel-wise
+    symmetric weights, dynamic int8 per-token activations), or None (with `refuse`, a
+    ValueError saying what differs)."""
+    def no(why: str) -> None:
+        if refuse:
+            raise ValueError(f"--quantization w8a8_int8 reads compressed-tensors int8 checkpoints; this one {why}")
+        return None
+
+    if config.get("quant_method") != "compressed-tensors":
+        return no("is not compressed-tensors")
+    if config.get("format") not in ("int-quantized", None):
+        return no(f"has format {config.get('format')!r}, not 'int-quantized'")
+    groups = list((config.get("config_groups") or {}).values())
+    if len(groups) != 1:
+        return no(f"has {len(groups)} config groups, not one")
+    weights, inputs = groups[0].get("weights") or {}, groups[0].get("input_activations") or {}
+    want_weights = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}
+    want_inputs = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True}
+    for role, scheme, want in (("weights", weights, want_weights), ("input activations", inputs, want_inputs)):
+        for key, value in want.items():
+            if scheme.get(key) != value:
+                return no(f"quantizes its {role} with {key}={scheme.get(key)!r}, not {value!r}")
+    return groups[0]
+
+
+def ignored(name: str, patterns: list[str]) -> bool:
+    """Whether compressed-tensors' `ignore` list names the layer: module names, or "re:" patterns,
+    matched with or without the checkpoint's "model." prefix."""
+    names = {name, f"model.{name}"}
+    for pattern in patterns:
+        if pattern.startswith("re:"):
+            if any(re.fullmatch(pattern[3:], n) for n in names):
+                return True
+        elif pattern in names:
+            return True
+    return False
