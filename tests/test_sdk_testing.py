@@ -26,6 +26,7 @@ from srv.sdk.testing import (AttentionBackendKit, EvictionPolicyKit, GrammarBack
                              QuantizationMethodKit, SamplerKit, SchedulePolicyKit, SpeculativeAlgorithmKit,
                              ToolCallParserKit, hf_greedy,
                              registered_temporarily, tiny_llama, write_tiny_llama)
+from srv.plugins.quantization import GPU_ONLY
 from srv.plugins.quantization.gguf import GGUFLinear, GGUFQuantization
 
 pytest_plugins = ["pytester"]
@@ -121,6 +122,11 @@ def gguf_weight(kind: str, out_features: int, in_features: int, generator: torch
     return torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(data, kind), kind).copy())
 
 
+class TestW8A8Int8(QuantizationMethodKit):
+    backend_name = "w8a8_int8"
+    relative_tolerance = 3e-2   # int8 activations as well as weights
+
+
 class TestGGUFQuantizationQ4_1(QuantizationMethodKit):
     backend_name = "gguf"
 
@@ -141,7 +147,8 @@ KIT_FAMILIES = {AttentionBackendKit: "attention", SamplerKit: "sampling", Evicti
                 QuantizationMethodKit: "quantization", SpeculativeAlgorithmKit: "speculative_algorithm"}
 NOT_KIT_TESTED = {("load_format", "gguf"): "needs a GGUF writer for make_checkpoint (tests/test_gguf_convert.py)",
                   ("load_format", "dummy"): "random weights by design: nothing to compare with transformers",
-                  ("grammar", "none"): "refuses every grammar by design (tests/test_structured_output.py)"}
+                  ("grammar", "none"): "refuses every grammar by design (tests/test_structured_output.py)",
+                  **{("quantization", name): "GPU kernels only: unavailable on CPU" for name in GPU_ONLY}}
 
 
 def test_every_builtin_backend_of_a_kit_family_is_tested():

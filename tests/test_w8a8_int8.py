@@ -1,6 +1,7 @@
-"""`--quantization w8a8_int8`: int8 weights and activations with int32 accumulation. Every kernel
-the CPU has gives torch's bits; SGLang's and compressed-tensors' checkpoints load as stored; the
-default model keeps within the method's stated accuracy bound."""
+"""`--quantization w8a8_int8` (its kit is in test_sdk_testing.py): int8 weights and activations
+with int32 accumulation. Every kernel the CPU has gives torch's bits; SGLang's and
+compressed-tensors' checkpoints load as stored; the default model keeps within the method's
+stated accuracy bound."""
 
 from __future__ import annotations
 
@@ -17,18 +18,12 @@ from srv.plugins.quantization import w8a8_int8
 from srv.plugins.quantization.w8a8_int8 import Int8Weight, W8A8Int8Quantization, kernels, quantize_weight
 from srv.sdk import requires_cpu_flags
 from srv.sdk.linear import Linear
-from srv.sdk.testing import QuantizationMethodKit
 from srv.sdk.testing.quantization import measure_accuracy
 
 # The bound docs/quantization.md states for w8a8_int8 on the default model (float32 activations):
 # measured 0.15 and 0.88 on AVX512-VNNI with AMX.
 TOP1_LOGPROB_ERROR_BOUND = 0.25
 GREEDY_AGREEMENT_BOUND = 0.80
-
-
-class TestW8A8Int8Kit(QuantizationMethodKit):
-    backend_name = "w8a8_int8"
-    relative_tolerance = 3e-2   # int8 activations as well as weights
 
 
 def runnable_isas() -> list[str]:
@@ -125,7 +120,7 @@ def head_left_float(monkeypatch):
                          ids=["compressed-tensors", "sglang"])
 def test_int8_checkpoints_load_as_stored(tiny_models, tmp_path, kind, config, head_left_float):
     """A checkpoint stored in int8 is served as it is, the method inferred from its config: the
-    same tokens and log-probabilities, to the bit, as its float original quantized at load (fused query, key
+    same tokens and log-probabilities as its float original quantized at load (fused query, key
     and value shards and their scales, Qwen2's biases)."""
     path = write_int8_checkpoint(tiny_models[kind], tmp_path / kind, config)
     prompts = [[5, 6, 7, 8, 9], [100, 200, 300]]
@@ -139,7 +134,10 @@ def test_int8_checkpoints_load_as_stored(tiny_models, tmp_path, kind, config, he
         at_load = engine.generate(input_ids=prompts, sampling_params=params)
     for a, b in zip(stored, at_load):
         assert a["output_ids"] == b["output_ids"]
-        assert a["meta_info"]["output_token_logprobs"] == b["meta_info"]["output_token_logprobs"]
+        # To float32 rounding: the float head's oneDNN product may sum in another order when the
+        # two engines group the requests into steps differently.
+        assert [lp for lp, _ in a["meta_info"]["output_token_logprobs"]] == \
+            pytest.approx([lp for lp, _ in b["meta_info"]["output_token_logprobs"]], abs=1e-4)
 
 
 @pytest.mark.parametrize("change, message", [
@@ -158,7 +156,7 @@ def test_default_model_within_the_stated_bound():
     """docs/quantization.md's bound for w8a8_int8, on the default model: along float32's greedy
     continuations of eight prompts (32 tokens each), the top-1 log-probability error and the share
     of agreeing greedy tokens."""
-    accuracy = measure_accuracy({"dtype": "float32", "quantization": "w8a8_int8"})
+    accuracy = measure_accuracy(srv.Engine, {"dtype": "float32", "quantization": "w8a8_int8"})
     assert accuracy.positions == 8 * 32
     assert accuracy.top1_logprob_error <= TOP1_LOGPROB_ERROR_BOUND, accuracy
     assert accuracy.greedy_agreement >= GREEDY_AGREEMENT_BOUND, accuracy

@@ -299,8 +299,8 @@ class LlamaForCausalLM(nn.Module):
             norms = [norm if norm.weight.dtype == torch.float32 else self._float32_copy(norm)
                      for norm in (layer.input_layernorm, layer.post_attention_layernorm)]
             layers.append(NativeDecoderLayer(*products, *(norm.weight.data_ptr() for norm in norms)))
-        head_dtype = getattr(self.lm_head, "weight_dtype", None) or self.lm_head.weight.dtype
-        if getattr(self.lm_head, "native_linear", lambda rows: None)(rows) is None and head_dtype != torch.float32:
+        if getattr(self.lm_head, "native_linear", lambda rows: None)(rows) is None and \
+                (getattr(self.lm_head, "weight_dtype", None) or self.lm_head.weight.dtype) != torch.float32:
             return None   # the head takes the float32 rows only from a kernel
         return (NativeDecoderLayer * len(layers))(*layers)
 

@@ -153,19 +153,19 @@ class Accuracy:
     positions: int
 
 
-def measure_accuracy(engine_flags: dict[str, Any], reference_flags: dict[str, Any] | None = None,
-                     prompts: tuple[str, ...] = ACCURACY_PROMPTS, steps: int = 32) -> Accuracy:
-    """`Accuracy` of srv.Engine(**engine_flags) against srv.Engine(**reference_flags) (float32,
-    unquantized by default) over `steps` greedy tokens of each prompt."""
-    import srv
-
+def measure_accuracy(make_engine: Callable[..., Any], engine_flags: dict[str, Any],
+                     reference_flags: dict[str, Any] | None = None, prompts: tuple[str, ...] = ACCURACY_PROMPTS,
+                     steps: int = 32) -> Accuracy:
+    """`Accuracy` of make_engine(**engine_flags) against make_engine(**reference_flags) (float32,
+    unquantized by default) over `steps` greedy tokens of each prompt; make_engine is srv.Engine
+    or the srv_engine_factory fixture (the engines are closed here)."""
     reference_flags = reference_flags or {"dtype": "float32", "quantization": "none"}
-    with srv.Engine(**reference_flags) as reference:
+    with make_engine(**reference_flags) as reference:
         prompt_ids = [reference.tokenizer.encode(p) for p in prompts]
         greedy = {"max_new_tokens": steps, "temperature": 0, "ignore_eos": True}
         continuations = [r["output_ids"] for r in reference.generate(input_ids=prompt_ids, sampling_params=greedy)]
         expected = _scored(reference, prompt_ids, continuations)
-    with srv.Engine(**engine_flags) as engine:
+    with make_engine(**engine_flags) as engine:
         observed = _scored(engine, prompt_ids, continuations)
     errors, agreements = [], []
     for want, got in zip(expected, observed):
