@@ -3,6 +3,8 @@
     python -m benchmarks                      # BENCH_REPEATS (default 3) repetitions
     BENCH_QUICK=1 python -m benchmarks        # one repetition, one wave of prompts: checks the harness
     python -m benchmarks --report-only        # rewrite BENCHMARKS.md and the plot from results.json
+    python -m benchmarks --only c16,c16-int8 --report /tmp/b.md --results /tmp/b.json --plot /tmp/b.png
+                                              # some workloads, into a report of their own
 """
 
 from __future__ import annotations
@@ -36,9 +38,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--results", type=Path, default=REPO / "benchmarks" / "results.json",
                         help="the raw results (JSON)")
     parser.add_argument("--plot", type=Path, default=REPO / "benchmarks" / "throughput.png", help="the PNG plot")
+    parser.add_argument("--only", default="", help="comma-separated workload names: run just these "
+                        "(and no grammar mask cost); write them elsewhere than the full report")
     parser.add_argument("--report-only", action="store_true", help="no measurement: rewrite from --results")
     args = parser.parse_args(argv)
     args.engines = tuple(e for e in args.engines.split(",") if e)
+    args.only = tuple(w for w in args.only.split(",") if w)
     unknown = set(args.engines) - set(ENGINES)
     if unknown or "srv" not in args.engines:
         parser.error(f"--engines must include srv and name only {', '.join(ENGINES)}")
@@ -56,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.report_only:
         results = BenchResults.load(args.results)
     else:
-        results = run_bench(BenchOptions(args.repeats, args.quick, args.engines, args.results))
+        results = run_bench(BenchOptions(args.repeats, args.quick, args.engines, args.results, only=args.only))
     plot_throughput(results, args.plot)
     write_report(results, args.report, args.plot)
     logging.getLogger("benchmarks").info("bench: wrote %s and %s", args.report, args.plot)

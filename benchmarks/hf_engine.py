@@ -104,7 +104,7 @@ class HfEngine(Engine):
         """The workloads HF runs: each as batches, so neither a steady arrival nor a hog beside
         it means anything here."""
         return [w for w in self.context.workloads
-                if not w.hog and w.name != W2_STEADY and not w.speculative and not w.instruction]
+                if not w.hog and w.name != W2_STEADY and not w.srv_flags and not w.instruction]
 
     def run_rep(self, rep: int) -> list[Run]:
         launch_s, result = self.run_peer(self.dtype, self.workloads, f"rep{rep}")

@@ -46,7 +46,7 @@ def slot_configs(workloads: list[Workload]) -> dict[SlotConfig, list[Workload]]:
     """The workloads by the llama-server configuration that serves them, fewest slots first."""
     by_slots: dict[int, list[Workload]] = {}
     for workload in workloads:
-        if workload.speculative:   # srv's extra rows
+        if workload.srv_flags:   # srv's extra rows
             continue
         by_slots.setdefault(max(BASE_SLOTS, workload.concurrency), []).append(workload)
     return {SlotConfig(slots, max(BASE_CTX, slots * (max(w.context_tokens for w in group) + SLOT_MARGIN))): group

@@ -10,7 +10,8 @@ from benchmarks.results import LAUNCH, BenchResults, Run
 from benchmarks.stats import median, medians, ratio, repetition_ratios
 from benchmarks.workloads import (INPUT_LEN, OUTPUT_LEN, SHARED_PREFIX_LEN, STEADY_REQUESTS_PER_CLIENT, SWEEP, W1,
                                   W1_CONCURRENCY, W1_HOG, W2, W2_CONCURRENCY, W2_STEADY, W3, W3_NGRAM, W5, W5_NGRAM,
-                                  sweep_name, workloads)
+                                  C64, C64_FLOAT32, C64_INT8, FLOAT32_FLAGS, INT8_FLAGS, W1_FLOAT32, W1_INT8,
+                                  W3_INT8, sweep_name, workloads)
 
 NOTES_BEGIN = "<!-- notes:begin (kept by `make bench`) -->"
 NOTES_END = "<!-- notes:end -->"
@@ -105,7 +106,7 @@ def workloads_table(quick: bool) -> list[str]:
         prompt = (f"{workload.shared_prefix_len}-token shared prefix + " if workload.shared_prefix_len else "") + \
             (f"chat: \"{workload.instruction}\" + " if workload.instruction else "") + \
             f"{workload.input_len} tokens in, {workload.output_len} out"
-        server = "srv `--speculative-algorithm NGRAM`" if workload.speculative else ""
+        server = f"srv `{' '.join(workload.srv_flags)}`" if workload.srv_flags else ""
         rows.append([workload.name, str(workload.num_prompts), str(workload.concurrency), arrival, prompt,
                      "a process spins on one core" if workload.hog else "", server])
     return md_table(["workload", "requests", "clients", "arrival", "each request", "machine", "served by"], rows,
@@ -259,6 +260,33 @@ def speculative_section(results: BenchResults) -> list[str]:
             + ".", ""]
 
 
+def quantization_section(results: BenchResults) -> list[str]:
+    """srv with w8a8_int8 against srv's dense float32, srv's default and the peers, within each
+    repetition: output tok/s at 16 and 64 streams, decode ms/token at one."""
+    peers = [p for p in results.engines if p not in (SRV, "hf")]
+    rows = []
+    for label, theirs, workload, their_workload, metric in (
+            ("W1 int8 / W1 srv float32", SRV, W1_INT8, W1_FLOAT32, "output_throughput"),
+            ("64 streams int8 / srv float32", SRV, C64_INT8, C64_FLOAT32, "output_throughput"),
+            ("W1 int8 / W1 srv default", SRV, W1_INT8, W1, "output_throughput"),
+            ("64 streams int8 / srv default", SRV, C64_INT8, C64, "output_throughput"),
+            *((f"W1 int8 / W1 {p}", p, W1_INT8, W1, "output_throughput") for p in peers),
+            *((f"64 streams int8 / {p}", p, C64_INT8, C64, "output_throughput") for p in peers),
+            ("W3 int8 / W3 srv default (ms/token)", SRV, W3_INT8, W3, "tpot_median_s"),
+            *((f"W3 int8 / W3 {p} (ms/token)", p, W3_INT8, W3, "tpot_median_s") for p in peers)):
+        ratios = repetition_ratios(results.runs, SRV, theirs, workload, metric, their_workload)
+        if ratios:
+            rows.append([label, ", ".join(f"{r:#.3g}" for r in ratios), f"{median(ratios):#.3g}×"])
+    if not rows:
+        return []
+    return ["### int8 compute (w8a8_int8)", "",
+            f"srv launched with `{' '.join(INT8_FLAGS)}` (int8 weights and activations, quantized from the GGUF "
+            f"file's dequantized weights at load) and with `{' '.join(FLOAT32_FLAGS)}` (dense float32), after its "
+            "default server's runs; ratios within each repetition (tok/s: above 1× int8 is faster; ms/token: "
+            "below 1× int8 is faster).", "",
+            *md_table(["ratio", "by repetition", "median"], rows, "lrr"), ""]
+
+
 def render(results: BenchResults, plot: str, notes: str) -> str:
     minutes = results.duration_s / 60
     lines = [
@@ -300,6 +328,7 @@ def render(results: BenchResults, plot: str, notes: str) -> str:
               f"{W1_CONCURRENCY}-stream point is W1's runs, the 1-stream point W3's.", "",
               *sweep_table(results), "",
               *speculative_section(results),
+              *quantization_section(results),
               *grammar_section(results),
               *machine_section(results), "",
               *limits_section(results), "",

@@ -33,6 +33,7 @@ class BenchOptions:
     engines: tuple[str, ...] = tuple(ENGINES)
     results_path: Path = REPO / "benchmarks" / "results.json"
     log_root: Path = Path.home() / ".cache" / "srv" / "bench" / "logs"
+    only: tuple[str, ...] = ()   # workload names to run (all when empty), without the grammar mask cost
 
 
 def load_average() -> float:
@@ -57,7 +58,8 @@ def run_bench(options: BenchOptions) -> BenchResults:
     limits = measure_limits(model.num_params)
     logger.info("bench: DRAM %.1f GB/s, bf16 matmul %.0f GFLOP/s at M=128", limits["bandwidth"]["read_gb_s"],
                 limits["matmul_gflops"]["bf16_m128"])
-    context = BenchContext(model, workloads(options.quick), log_dir)
+    chosen = [w for w in workloads(options.quick) if not options.only or w.name in options.only]
+    context = BenchContext(model, chosen, log_dir)
     results = BenchResults(repeats=options.repeats, quick=options.quick,
                            machine=machine, limits=limits, engines=[])
 
@@ -91,7 +93,7 @@ def run_bench(options: BenchOptions) -> BenchResults:
             results.save(options.results_path)   # a crash later keeps what was measured
 
     grammar_commands: list[str] = []
-    if "srv" in results.engines:
+    if "srv" in results.engines and not options.only:
         logger.info("bench: mask cost of each grammar backend")
         try:
             grammar_runs, grammar_commands = measure_grammar_cost(context, 1)

@@ -11,7 +11,6 @@ from benchmarks.engine import Engine, measure_server, shell_line
 from benchmarks.load import SRV
 from benchmarks.results import Run
 from benchmarks.servers import ServerProcess, free_port
-from benchmarks.workloads import NGRAM_FLAGS
 
 logger = logging.getLogger("benchmarks")
 
@@ -32,16 +31,22 @@ class SrvEngine(Engine):
     def prepare(self) -> None:
         self.version = f"srv {importlib.metadata.version('srv')}, this checkout"
         self.chosen = "no flags: srv's defaults (the file's own Q4_1/Q8_0 weights, `--dtype auto`)"
-        self.server_commands = [shell_line(self.command("PORT")), shell_line(self.command("PORT") + list(NGRAM_FLAGS))]
+        self.server_commands = [shell_line(self.command("PORT") + list(flags)) for flags in self.flag_sets()]
         # A first launch fills what a warm start reuses (the dequantized GGUF, the page cache).
         with self.server("prime") as server:
             logger.info("srv: priming launch")
             server.launch_to_first_token()
 
+    def flag_sets(self) -> list[tuple[str, ...]]:
+        """The servers a repetition launches: the default (no flags) first, then each workload's
+        own flags, in order."""
+        return list(dict.fromkeys([(), *(w.srv_flags for w in self.context.workloads)]))
+
     def run_rep(self, rep: int) -> list[Run]:
-        plain = [w for w in self.context.workloads if not w.speculative]
-        speculative = [w for w in self.context.workloads if w.speculative]
-        runs = measure_server(self, self.server(f"rep{rep}"), plain, rep, "", fresh_connections=False,
-                              with_launch=True)
-        return runs + measure_server(self, self.server(f"rep{rep}-ngram", *NGRAM_FLAGS), speculative, rep,
-                                     " ".join(NGRAM_FLAGS), fresh_connections=False, with_launch=False)
+        runs = []
+        for index, flags in enumerate(self.flag_sets()):
+            group = [w for w in self.context.workloads if w.srv_flags == flags]
+            # W4 (launch to first token) is the default server's.
+            runs += measure_server(self, self.server(f"rep{rep}-{index}", *flags), group, rep, " ".join(flags),
+                                   fresh_connections=False, with_launch=not flags)
+        return runs

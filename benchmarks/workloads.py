@@ -15,6 +15,10 @@ hog is W1 while another process keeps one of the machine's cores busy, as on a s
 W5 is one stream whose output repeats its input (a chat request to repeat 128 words): what n-gram
 speculative decoding is for. It and W3 run once more on srv with `--speculative-algorithm NGRAM`
 (workloads named `-ngram`), the rows that compare speculation with srv's default.
+
+W3, W1 and the 64-stream point run again on srv with `--quantization w8a8_int8` (`-int8`), and W1
+and the 64-stream point on srv's dense float32 (`--quantization none --dtype float32`,
+`-float32`): the rows that compare int8 compute with float32 and with the peers.
 """
 
 from __future__ import annotations
@@ -41,7 +45,11 @@ class Workload:
     hog: bool = False          # a busy process on one core while it runs
     endpoint: str = "completions"
     instruction: str = ""      # before each prompt's words (srv bench serve --instruction)
-    speculative: bool = False  # served by srv with --speculative-algorithm NGRAM, not by the peers
+    srv_flags: tuple[str, ...] = ()   # served by srv launched with these flags, not by the peers
+
+    @property
+    def speculative(self) -> bool:
+        return "--speculative-algorithm" in self.srv_flags
 
     @property
     def context_tokens(self) -> int:
@@ -73,6 +81,11 @@ W5_NGRAM = f"{W5}-ngram"
 W3_NGRAM = f"{W3}-ngram"
 REPEAT_INSTRUCTION = "Repeat this text exactly:"
 NGRAM_FLAGS = ("--speculative-algorithm", "NGRAM")
+INT8_FLAGS = ("--quantization", "w8a8_int8")
+FLOAT32_FLAGS = ("--quantization", "none", "--dtype", "float32")
+C64 = sweep_name(64)
+W3_INT8, W1_INT8, C64_INT8 = (f"{w}-int8" for w in (W3, W1, C64))
+W1_FLOAT32, C64_FLOAT32 = (f"{w}-float32" for w in (W1, C64))
 
 
 # What a peer's candidate configurations are compared on: one wave of W1.
@@ -81,14 +94,18 @@ PROBE = Workload("probe", W1_CONCURRENCY, W1_CONCURRENCY)
 
 def workloads(quick: bool) -> list[Workload]:
     """The sweep in increasing concurrency, the shared-prefix workload (burst, then steady), W1
-    beside a hog, W5; then W3 and W5 again for srv with NGRAM."""
+    beside a hog, W5; then W3 and W5 again for srv with NGRAM, and the int8 and float32 points."""
     sweep = [Workload(sweep_name(c), c, num_prompts(c, quick)) for c in SWEEP]
     burst = Workload(W2, W2_CONCURRENCY, num_prompts(W2_CONCURRENCY, quick), shared_prefix_len=SHARED_PREFIX_LEN)
     steady = Workload(W2_STEADY, W2_CONCURRENCY, W2_CONCURRENCY * (1 if quick else STEADY_REQUESTS_PER_CLIENT),
                       shared_prefix_len=SHARED_PREFIX_LEN)
     hog = Workload(W1_HOG, W1_CONCURRENCY, num_prompts(W1_CONCURRENCY, quick), hog=True)
     repeat = Workload(W5, 1, num_prompts(1, quick), endpoint="chat", instruction=REPEAT_INSTRUCTION)
-    speculative = [Workload(W3_NGRAM, 1, num_prompts(1, quick), speculative=True),
+    speculative = [Workload(W3_NGRAM, 1, num_prompts(1, quick), srv_flags=NGRAM_FLAGS),
                    Workload(W5_NGRAM, 1, num_prompts(1, quick), endpoint="chat", instruction=REPEAT_INSTRUCTION,
-                            speculative=True)]
-    return sweep + [burst, steady, hog, repeat] + speculative
+                            srv_flags=NGRAM_FLAGS)]
+    int8 = [Workload(name, c, num_prompts(c, quick), srv_flags=INT8_FLAGS)
+            for name, c in ((W3_INT8, 1), (W1_INT8, W1_CONCURRENCY), (C64_INT8, 64))]
+    float32 = [Workload(name, c, num_prompts(c, quick), srv_flags=FLOAT32_FLAGS)
+               for name, c in ((W1_FLOAT32, W1_CONCURRENCY), (C64_FLOAT32, 64))]
+    return sweep + [burst, steady, hog, repeat] + speculative + int8 + float32

@@ -39,6 +39,10 @@ logger = logging.getLogger("srv.quantization")
 
 class QuantizationMethod(ABC):
     model_config: Any = None   # the checkpoint's config, from `prepare`
+    # The dtype `--dtype auto` serves a model with this method in; None: the machine's choice
+    # (bf16 where the CPU computes it natively, float32 elsewhere). A method whose kernels take
+    # float32 activations names float32, so no product converts its input and output.
+    activation_dtype: Any = None
 
     def __init__(self, server_args: Any = None) -> None:
         self.server_args = server_args

@@ -168,6 +168,8 @@ class Int8LinearMethod(LinearMethod):
 
 
 class W8A8Int8Quantization(QuantizationMethod):
+    activation_dtype = torch.float32   # the kernels quantize float32 rows
+
     def __init__(self, server_args: Any = None) -> None:
         super().__init__(server_args)
         self.isa = best_isa()
