@@ -189,9 +189,9 @@ def test_server_arguments_doc_is_generated_and_fresh():
 EXPECTED_NOT_SUPPORTED_YET = {
     "--model-loader-extra-config", "--trust-remote-code",
     "--is-embedding", "--enable-multimodal", "--limit-mm-data-per-request", "--revision",
-    "--warmups", "--nccl-port", "--quantization-param-path",
-    "--modelopt-quant", "--modelopt-checkpoint-restore-path", "--modelopt-checkpoint-save-path", "--kv-cache-dtype",
-    "--enable-fp32-lm-head", 
+    "--warmups", "--nccl-port",
+    "--modelopt-quant", "--modelopt-checkpoint-restore-path", "--modelopt-checkpoint-save-path",
+    "--enable-fp32-lm-head",
     "--hybrid-kvcache-ratio", "--swa-full-tokens-ratio",
     "--disable-hybrid-swa-memory", "--device", "--elastic-ep-backend", "--mooncake-ib-device",
     "--tensor-parallel-size", "--pipeline-parallel-size", "--pp-max-micro-batch-size", 

@@ -232,6 +232,10 @@ def test_one_batch_benchmark(tiny_models, capsys):
             assert run[key] > 0, key
         assert run["decode_throughput"] == pytest.approx(run["batch_size"] / run["decode_median_s"])
         assert run["prefill_throughput"] == pytest.approx(run["batch_size"] * 40 / run["prefill_latency_s"])
+    # The linear layers at each batch's decode and prefill rows, beside the machine's peaks.
+    gemm = result["gemm"]
+    assert set(gemm["layers_gops"]) == {"1", "4", "40", "160"} and all(g > 0 for g in gemm["layers_gops"].values())
+    assert {"float32", "int8"} <= set(gemm["peaks_gops"]) and result["quantization"] == "none"
 
 
 def test_one_batch_text_report_and_a_batch_too_big(tiny_models):
@@ -239,6 +243,7 @@ def test_one_batch_text_report_and_a_batch_too_big(tiny_models):
                        "--batch-size", "2", "--input-len", "16", "--output-len", "3", "--disable-tqdm")
     assert result.returncode == 0, result.stderr
     assert "Prefill latency (s):" in result.stdout and "Median decode step latency (s):" in result.stdout
+    assert "machine peaks" in result.stdout and "int8 GOP/s" in result.stdout
     too_big = run_bench("one-batch", "--model-path", str(tiny_models["llama"]), "--dtype", "float32",
                         "--max-running-requests", "2", "--batch-size", "3", "--input-len", "16", "--output-len", "3")
     assert too_big.returncode == 1 and "--max-running-requests" in too_big.stderr

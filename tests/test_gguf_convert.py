@@ -242,7 +242,7 @@ def byte_level_alphabet() -> list[str]:
 
 
 def write_tiny_gguf(path: Path, arch: str, head_dim: int, bias: bool = False, qk_norm: bool = False,
-                    untied: bool = True) -> None:
+                    untied: bool = True, down_type: str = "Q8_0") -> None:
     import gguf
     import numpy as np
     from gguf import GGMLQuantizationType as Q
@@ -299,7 +299,7 @@ def write_tiny_gguf(path: Path, arch: str, head_dim: int, bias: bool = False, qk
         tensor(f"blk.{i}.ffn_norm.weight", (hidden,))
         tensor(f"blk.{i}.ffn_gate.weight", (ffn, hidden), Q.Q8_0)
         tensor(f"blk.{i}.ffn_up.weight", (ffn, hidden), Q.F16)
-        tensor(f"blk.{i}.ffn_down.weight", (hidden, ffn), Q.Q8_0)
+        tensor(f"blk.{i}.ffn_down.weight", (hidden, ffn), Q[down_type])
     tensor("output_norm.weight", (hidden,))
     if untied:
         tensor("output.weight", (vocab, hidden), Q.F16)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import struct
 
 import pytest
 import torch
@@ -220,7 +221,7 @@ def test_gguf_quantization_refuses_a_model_that_is_not_gguf(tiny_models):
 def test_recovered_weights_are_cached_per_file_and_layers(tmp_path, monkeypatch):
     monkeypatch.setenv("SRV_CACHE_DIR", str(tmp_path / "cache"))
     model_file = tmp_path / "model.gguf"
-    model_file.write_bytes(b"GGUF")
+    model_file.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 0))   # a header with no tensors
 
     def model(shapes: list[tuple[int, int]]) -> nn.Module:
         layers = nn.Sequential(*(nn.Linear(k, n, bias=False) for n, k in shapes), nn.Linear(64, 64))
@@ -248,6 +249,38 @@ def test_recovered_weights_are_cached_per_file_and_layers(tmp_path, monkeypatch)
     assert isinstance(second["2"], nn.Linear)
 
     quantize(model([(96, 128), (64, 64)]))     # other layers: another entry
-    model_file.write_bytes(b"GGUF, rewritten")  # another file at the same path: another entry
+    model_file.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 0) + b"rewritten")  # another file: another entry
     quantize(model([(96, 128), (32, 64)]))
     assert len(recovered) == 6
+
+
+@pytest.mark.parametrize("down_type", ["Q4_0", "Q5_1"])
+def test_a_block_type_without_kernel_is_refused_by_name_or_served_dequantized(tmp_path, caplog, down_type):
+    """A file whose linear layers hold blocks srv has no kernel for: `--quantization gguf` refuses
+    it naming the type; inferred, the file is served dequantized, with a warning that says so."""
+    from test_gguf_convert import write_tiny_gguf
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, "llama", 32, down_type=down_type)
+    with pytest.raises(ValueError, match=rf"--quantization gguf: tiny.gguf has {down_type} blocks \(2 tensors, "
+                                         rf"blk.0.ffn_down.weight is {down_type}\); srv's kernels compute Q4_1 and "
+                                         "Q8_0; --quantization none serves it dequantized"):
+        srv.Engine(model_path=str(path), quantization="gguf")
+    with srv.Engine(model_path=str(path), dtype="float32", max_total_tokens=1024) as engine:
+        assert not any(isinstance(m, GGUFLinear) for m in engine.runner.model.modules())
+        assert engine.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 2})["output_ids"]
+    assert f"has {down_type} blocks" in caplog.text and "serving it dequantized" in caplog.text
+
+
+def test_tensor_types_read_from_the_header_match_gguf_reader(tmp_path):
+    """srv's header reader (milliseconds) against gguf's own (seconds), on the default file and a
+    tiny one with other block types."""
+    from gguf import GGUFReader
+    from test_gguf_convert import write_tiny_gguf
+
+    from srv.engine.default_model import default_model_path
+    from srv.plugins.quantization.gguf import tensor_types
+
+    write_tiny_gguf(tmp_path / "tiny.gguf", "qwen2", 16, bias=True, down_type="Q5_0")
+    for path in (default_model_path(), tmp_path / "tiny.gguf"):
+        assert tensor_types(path) == {t.name: t.tensor_type.name for t in GGUFReader(str(path)).tensors}

@@ -17,11 +17,9 @@ NOT_SUPPORTED_YET = frozenset({
     "--warmups",
     "--nccl-port",
     # Quantization and data type
-    "--quantization-param-path",
     "--modelopt-quant",
     "--modelopt-checkpoint-restore-path",
     "--modelopt-checkpoint-save-path",
-    "--kv-cache-dtype",
     "--enable-fp32-lm-head",
     # Memory and scheduling
     "--hybrid-kvcache-ratio",

@@ -19,6 +19,7 @@ from argparse import Namespace
 from dataclasses import dataclass, field
 from typing import Any
 
+from srv.bench.gemm import gemm_report
 from srv.bench.prompts import random_token_ids
 from srv.bench.stats import render
 
@@ -32,6 +33,11 @@ class OneBatchConfig:
     output_len: list[int] = field(default_factory=lambda: [16])
     seed: int = 0
     disable_tqdm: bool = False
+    gemm: bool = True   # also time the linear layers' products against the machine's peaks
+
+
+# Prefill rows the GEMM report times at most (a prefill of more rows runs its products the same way).
+MAX_GEMM_ROWS = 2048
 
 
 class BatchDoesNotFit(RuntimeError):
@@ -121,7 +127,13 @@ def run_one_batch_benchmark(config: OneBatchConfig, launch_args: Namespace, regi
                         "(%.1f tok/s)", bs, il, ol, result["prefill_latency_s"], result["prefill_throughput"],
                         result["decode_median_s"], result["decode_throughput"])
             runs.append(result)
-        return {"model": str(runner.model_dir), "dtype": str(runner.dtype).removeprefix("torch."), "runs": runs}
+        summary = {"model": str(runner.model_dir), "dtype": str(runner.dtype).removeprefix("torch."),
+                   "quantization": runner.quantization_name, "runs": runs}
+        if config.gemm:
+            logger.info("timing the linear layers' products and the machine's peaks")
+            rows = sorted({bs for bs, _, _ in shapes} | {min(bs * il, MAX_GEMM_ROWS) for bs, il, _ in shapes})
+            summary["gemm"] = gemm_report(runner.model, runner.dtype, rows)
+        return summary
     finally:
         # Drop the KV cache and the weights now, not whenever the caller's references go.
         scheduler.waiting.clear()
@@ -145,4 +157,11 @@ def format_one_batch(summary: dict[str, Any]) -> str:
             ("Total latency (s)", f"{run['total_latency_s']:.4f}"),
             ("Overall throughput (tok/s)", f"{run['overall_throughput']:.2f}"),
         ]
+    gemm = summary.get("gemm")
+    if gemm:
+        rows.append(f"linear layers ({summary['quantization']}, {summary['dtype']})")
+        rows += [(f"GOP/s at {n} rows", f"{gops:.1f}") for n, gops in gemm["layers_gops"].items()]
+        m, k, n = gemm["peak_shape"]
+        rows.append(f"machine peaks ({m}x{k} by {k}x{n})")
+        rows += [(f"{kind} GOP/s", f"{gops:.1f}") for kind, gops in gemm["peaks_gops"].items()]
     return render("One-batch benchmark", rows)

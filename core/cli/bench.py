@@ -141,6 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 ("--output-len", 16, "output lengths")):
         one_batch.add_argument(flag, type=_positive_int, nargs="+", default=[default], help=f"one or more {what}")
     one_batch.add_argument("--seed", type=int, default=0, help="seed of the random token ids")
+    one_batch.add_argument("--no-gemm", action="store_true",
+                           help="skip timing the linear layers' products against the machine's float32 and int8 peaks")
     _add_output(one_batch)
     return parser
 
@@ -194,7 +196,7 @@ def _one_batch(args: argparse.Namespace, rest: list[str]) -> int:
 
     launch_args, registry = _launch_args(rest)
     config = OneBatchConfig(batch_size=args.batch_size, input_len=args.input_len, output_len=args.output_len,
-                            seed=args.seed, disable_tqdm=args.disable_tqdm)
+                            seed=args.seed, disable_tqdm=args.disable_tqdm, gemm=not args.no_gemm)
     result = run_one_batch_benchmark(config, launch_args, registry)
     _emit(result, args, format_one_batch(result))
     return 0

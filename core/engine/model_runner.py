@@ -14,7 +14,7 @@ import torch
 
 from srv.backend_registry import AUTO, NONE, BackendRegistry, BackendUnavailable
 from srv.engine.default_model import default_model_path
-from srv.sdk.attention import AttentionBackend, ForwardBatch, ForwardMode, KVCache
+from srv.sdk.attention import AttentionBackend, ForwardBatch, ForwardMode, KVCache, KVCacheDtype
 from srv.sdk.models import ModelConfig, ModelImpl, ModelLoader, ModelOutput, materialize
 from srv.sdk.quantization import QuantizationMethod
 
@@ -42,6 +42,7 @@ class ModelRunner:
                  on_model_dir: Callable[[Path], None] | None = None) -> None:
         """`on_model_dir` is called with the prepared model directory before the weights load."""
         self.args, self.registry = args, registry
+        self.quantization_name = NONE   # the method serving the weights (set by _quantization)
         path = Path(args.model_path) if args.model_path else default_model_path()
         loader = self._choose_loader(path)
         started = time.monotonic()
@@ -70,6 +71,7 @@ class ModelRunner:
         self.prefill_attention = self._attention(args.prefill_attention_backend or args.attention_backend)
         self.decode_attention = self._attention(args.decode_attention_backend or args.attention_backend)
         self.sampler = registry.choose("sampling", args.sampling_backend).create(args)
+        self.kv_cache_dtype: KVCacheDtype = registry.choose("kv_cache_dtype", args.kv_cache_dtype).create(args)
         self.kv_cache: KVCache | None = None
 
     def _choose_loader(self, path: Path) -> ModelLoader:
@@ -93,10 +95,12 @@ class ModelRunner:
         if name == NONE:
             return None
         if name:
+            self.quantization_name = name
             return self.registry.choose("quantization", name).create(self.args)
         declared = (getattr(self.config, "quantization_config", None) or {}).get("quant_method")
         if declared in self.registry.names("quantization"):
             logger.info("quantization %s, as the checkpoint's config declares", declared)
+            self.quantization_name = declared
             return self.registry.choose("quantization", declared).create(self.args)
         # A container format (compressed-tensors) names no method: the methods' `detects` read it.
         for registration in sorted(self.registry.registrations("quantization"), key=lambda r: -r.priority):
@@ -105,6 +109,7 @@ class ModelRunner:
                 if method.detects(str(path)):
                     logger.info("quantization %s: the checkpoint's own format (--quantization none dequantizes it)",
                                 registration.name)
+                    self.quantization_name = registration.name
                     return method
         if declared:
             logger.warning("the checkpoint declares quantization %r, which no installed plugin provides", declared)
@@ -140,7 +145,8 @@ class ModelRunner:
         return registration.create(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
 
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.finfo(self.dtype).bits // 8
+        storage = self.kv_cache_dtype.storage_dtype(self.dtype)
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.finfo(storage).bits // 8
 
     def kv_capacity_tokens(self) -> int:
         if self.args.max_total_tokens:
@@ -150,8 +156,10 @@ class ModelRunner:
         return int(fraction * available // self.kv_bytes_per_token())
 
     def allocate_kv_cache(self, num_slots: int) -> None:
-        self.kv_cache = KVCache(num_slots, self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
-        logger.info("KV cache: %d slots, %.1f MiB", num_slots, num_slots * self.kv_bytes_per_token() / 2**20)
+        self.kv_cache = self.kv_cache_dtype.create(num_slots, self.num_layers, self.num_kv_heads, self.head_dim,
+                                                   self.dtype)
+        logger.info("KV cache: %d slots in %s, %.1f MiB", num_slots, str(self.kv_cache.dtype).removeprefix("torch."),
+                    num_slots * self.kv_cache.bytes_per_token / 2**20)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, out_cache_loc: torch.Tensor,
                 kv_slots: torch.Tensor, prefix_lens: list[int], extend_lens: list[int],

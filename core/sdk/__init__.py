@@ -2,7 +2,7 @@
 
 A plugin imports from `srv.sdk` and nothing else of srv. Hook specs are in `hookspecs`,
 the data a plugin registers in `registration`, the base classes of each family in `attention`,
-`sampling`, `grammar`, `tools`, `cache`, `scheduling`, `models`, `quantization` and
+`sampling`, `grammar`, `tools`, `cache`, `scheduling`, `models`, `linear`, `quantization` and
 `speculative`, C kernels built on first use in `native`, the cache directory in `paths`, and the
 conformance kits in `testing`.
 

@@ -13,13 +13,21 @@ from srv.sdk.native import NativeKernel
 
 
 class KVCache:
-    """Keys and values of every cached token, one buffer per layer, indexed by slot.
+    """Keys and values of every cached token, one buffer per layer, indexed by slot: the pool
+    `--kv-cache-dtype` chose (a `srv_register_kv_cache_dtypes` factory builds it).
+
+    The pool owns how values are stored: `dtype` is the buffers' dtype, and a float8 pool keeps
+    `value / scale` with one scale a layer for keys (`k_scales`) and one for values
+    (`v_scales`), saturated at the format's largest finite value. Backends write through
+    `store` and read through `keys` and `values`, which give the values in the dtype asked;
+    a backend reading `k_buffers` and `v_buffers` itself (a C kernel) must apply the scales of
+    a float8 pool (`scaled`) and refuse a `dtype` it does not know.
 
     Slot 0 is never handed to a request: padded index tables point there.
     """
 
     def __init__(self, num_slots: int, num_layers: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, k_scales: list[float] | None = None, v_scales: list[float] | None = None) -> None:
         shape = (num_slots, num_kv_heads, head_dim)
         # Left unwritten: zeroing gigabytes up front costs seconds of launch, and every slot is
         # written before it is read, except slot 0, which padding reads and must hold finite values.
@@ -28,15 +36,63 @@ class KVCache:
         for buffer in self.k_buffers + self.v_buffers:
             buffer[0].zero_()
         self.dtype = dtype
+        self.scaled = dtype in FLOAT8_DTYPES
+        self.k_scales = [1.0] * num_layers if k_scales is None else [float(s) for s in k_scales]
+        self.v_scales = [1.0] * num_layers if v_scales is None else [float(s) for s in v_scales]
+        if len(self.k_scales) != num_layers or len(self.v_scales) != num_layers:
+            raise ValueError(f"a KV cache of {num_layers} layers needs {num_layers} key and value scales")
+
+    @property
+    def bytes_per_token(self) -> int:
+        buffer = self.k_buffers[0]
+        return 2 * len(self.k_buffers) * buffer[0].numel() * buffer.element_size()
 
     def store(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k_buffers[layer_id][slots] = k.to(self.dtype)
-        self.v_buffers[layer_id][slots] = v.to(self.dtype)
+        self.k_buffers[layer_id][slots] = self._encode(k, self.k_scales[layer_id])
+        self.v_buffers[layer_id][slots] = self._encode(v, self.v_scales[layer_id])
+
+    def keys(self, layer_id: int, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Layer `layer_id`'s keys at `slots` (any shape S): [*S, kv_heads, head_dim] in `dtype`."""
+        return self._read(self.k_buffers[layer_id], slots, self.k_scales[layer_id], dtype)
+
+    def values(self, layer_id: int, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return self._read(self.v_buffers[layer_id], slots, self.v_scales[layer_id], dtype)
 
     def copy(self, sources: torch.Tensor, targets: torch.Tensor) -> None:
         """Every layer's keys and values at `sources` to `targets` (a tree draft's accepted nodes)."""
         for buffer in self.k_buffers + self.v_buffers:
             buffer[targets] = buffer[sources]
+
+    def _encode(self, x: torch.Tensor, scale: float) -> torch.Tensor:
+        if not self.scaled:
+            return x.to(self.dtype)
+        largest = torch.finfo(self.dtype).max
+        return (x.float() / scale).clamp_(-largest, largest).to(self.dtype)
+
+    def _read(self, buffer: torch.Tensor, slots: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+        # index_select on rows is several times faster than advanced indexing.
+        rows = buffer.view(buffer.shape[0], -1).index_select(0, slots.reshape(-1))
+        rows = rows.view(*slots.shape, *buffer.shape[1:])
+        return (rows.float() * scale).to(dtype) if self.scaled else rows.to(dtype)
+
+
+FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+class KVCacheDtype(ABC):
+    """A `--kv-cache-dtype`: how the KV pool stores keys and values. srv sizes the pool from
+    `storage_dtype` (bytes a token) and builds it with `create`."""
+
+    def __init__(self, server_args: Any = None) -> None:
+        self.server_args = server_args
+
+    @abstractmethod
+    def storage_dtype(self, served: torch.dtype) -> torch.dtype:
+        """The buffers' dtype for a model served in `served`."""
+
+    def create(self, num_slots: int, num_layers: int, num_kv_heads: int, head_dim: int,
+               served: torch.dtype) -> KVCache:
+        return KVCache(num_slots, num_layers, num_kv_heads, head_dim, self.storage_dtype(served))
 
 
 class ForwardMode(str, enum.Enum):

@@ -95,7 +95,7 @@ def srv_register_quantization_methods(register: Register) -> None:
 def srv_register_kv_cache_dtypes(register: Register) -> None:
     """Register KV cache storage formats (`--kv-cache-dtype`).
 
-    No built-in backend yet: the base class a factory returns is defined with the first one.
+    factory(server_args) -> srv.sdk.attention.KVCacheDtype
     """
 
 

@@ -2,7 +2,8 @@
  * read through the request's slot table, no gathered copy.
  *
  * q [B][H][D] float32, tokens q_stride floats apart; k_cache, v_cache [slots][KVH][D], float32,
- * bf16 or float16 (kv_format); kv_slots [B][stride] int64, the first seq_lens[b] of row b are
+ * bf16, float16, or float8 (e4m3fn, e5m2) holding value / scale with one scale a layer for keys
+ * and one for values (kv_format; srv.sdk.attention.KVCache); kv_slots [B][stride] int64, the first seq_lens[b] of row b are
  * the request's tokens; out [B][H][D] float32. The H / KVH query heads of a KV head read its
  * keys and values together, and so do the requests of a group that share a prefix of slots
  * (RequestGroup). Threads: OpenMP over (group, KV head), in torch's runtime.
@@ -25,7 +26,63 @@
 #include <string.h>
 
 
-enum { KV_FLOAT32 = 0, KV_BFLOAT16 = 1, KV_FLOAT16 = 2 };
+enum { KV_FLOAT32 = 0, KV_BFLOAT16 = 1, KV_FLOAT16 = 2, KV_FLOAT8_E4M3 = 3, KV_FLOAT8_E5M2 = 4 };
+
+static inline int is_float8(int kv_format) { return kv_format >= KV_FLOAT8_E4M3; }
+static inline int64_t element_size(int kv_format) {
+    return kv_format == KV_FLOAT32 ? 4 : (is_float8(kv_format) ? 1 : 2);
+}
+
+/* Every float8 code's value, for each format (index kv_format - KV_FLOAT8_E4M3), and the largest
+ * finite code of each: e4m3fn (bias 7, no infinities, 0x7F NaN) and e5m2 (bias 15, IEEE-like). */
+static float float8_values[2][256];
+static const int float8_largest[2] = {0x7E, 0x7B};
+
+__attribute__((constructor)) static void fill_float8_values(void) {
+    for (int code = 0; code < 256; code++) {
+        const int sign = code >> 7;
+        for (int f = 0; f < 2; f++) {
+            const int mantissa_bits = f == 0 ? 3 : 2, bias = f == 0 ? 7 : 15;
+            const int exponent = (code & 0x7F) >> mantissa_bits, mantissa = code & ((1 << mantissa_bits) - 1);
+            const int top = f == 0 ? 15 : 31;
+            float v;
+            if (exponent == 0)
+                v = ldexpf((float)mantissa, 1 - bias - mantissa_bits);
+            else if (f == 0 && exponent == top && mantissa == (1 << mantissa_bits) - 1)
+                v = NAN;
+            else if (f == 1 && exponent == top)
+                v = mantissa ? NAN : INFINITY;
+            else
+                v = ldexpf((float)((1 << mantissa_bits) + mantissa), exponent - bias - mantissa_bits);
+            float8_values[f][code] = sign ? -v : v;
+        }
+    }
+}
+
+static inline void widen_float8_row(const uint8_t *src, int kv_format, int64_t d, float scale, float *row) {
+    const float *values = float8_values[kv_format - KV_FLOAT8_E4M3];
+    for (int64_t i = 0; i < d; i++) row[i] = values[src[i]] * scale;
+}
+
+/* The float8 code nearest v / scale, saturated at the largest finite value, ties to the even
+ * code: torch's rounding of the same clamped value. */
+static inline uint8_t narrow_float8(float v, int kv_format, float scale) {
+    const int f = kv_format - KV_FLOAT8_E4M3, largest = float8_largest[f];
+    const float *values = float8_values[f];
+    float x = v / scale;
+    if (isnan(x)) return 0x7F;
+    const uint8_t sign = signbit(x) ? 0x80 : 0;
+    x = fabsf(x);
+    if (x >= values[largest]) return sign | (uint8_t)largest;
+    int low = 0, high = largest;   /* values[low] <= x < values[high] */
+    while (high - low > 1) {
+        const int mid = (low + high) / 2;
+        if (values[mid] <= x) low = mid; else high = mid;
+    }
+    const float below = x - values[low], above = values[high] - x;
+    const int code = below < above ? low : (above < below ? high : (low % 2 == 0 ? low : high));
+    return sign | (uint8_t)code;
+}
 
 /* Row `offset` of a cache widened to float32 into `row`. */
 static inline void widen_row(const uint16_t *src, int kv_format, int64_t d, float *row) {
@@ -62,15 +119,18 @@ static inline void narrow_row(const float *src, int kv_format, int64_t d, uint16
 }
 
 static void store_new(const float *k_new, const float *v_new, int64_t new_stride, const int64_t *new_slots,
-                      void *k_cache, void *v_cache, int kv_format, int64_t batch, int64_t kv_heads, int64_t d) {
-    const int64_t width = kv_format == KV_FLOAT32 ? 4 : 2;
+                      void *k_cache, void *v_cache, int kv_format, const float scales[2], int64_t batch,
+                      int64_t kv_heads, int64_t d) {
     for (int64_t b = 0; b < batch; b++) {
         const int64_t offset = new_slots[b] * kv_heads * d;
         const float *sources[2] = {k_new + b * new_stride, v_new + b * new_stride};
         void *caches[2] = {k_cache, v_cache};
         for (int which = 0; which < 2; which++) {
             if (kv_format == KV_FLOAT32)
-                memcpy((float *)caches[which] + offset, sources[which], kv_heads * d * width);
+                memcpy((float *)caches[which] + offset, sources[which], kv_heads * d * sizeof(float));
+            else if (is_float8(kv_format))
+                for (int64_t i = 0; i < kv_heads * d; i++)
+                    ((uint8_t *)caches[which])[offset + i] = narrow_float8(sources[which][i], kv_format, scales[which]);
             else
                 narrow_row(sources[which], kv_format, kv_heads * d, (uint16_t *)caches[which] + offset);
         }
@@ -99,7 +159,7 @@ static inline void prefetch_floats(const float *start, int64_t count) {
 }
 
 static inline void prefetch_row(const void *cache, int64_t offset, int kv_format, int64_t d) {
-    const int64_t width = kv_format == KV_FLOAT32 ? 4 : 2;
+    const int64_t width = element_size(kv_format);
     const char *start = (const char *)cache + offset * width;
     for (int64_t line = 0; line < d * width; line += 64) _mm_prefetch(start + line, _MM_HINT_T0);
 }
@@ -256,8 +316,8 @@ INLINE void chunk_values(const float *p, const float *const *values, int64_t len
 /* Pointers to rows [start, len) of a request's keys or values for one KV head: in place in a
  * float32 cache, else widened into `widened` [len][d]; entries from len up to a multiple of 8
  * repeat row `start`. Rows are scattered over the cache, so each is fetched some tokens ahead. */
-static void head_rows(const void *cache, int kv_format, const int64_t *slots, int64_t start, int64_t len,
-                      int64_t kv_heads, int64_t kvh, int64_t d, float *widened, const float **rows) {
+static void head_rows(const void *cache, int kv_format, float scale, const int64_t *slots, int64_t start,
+                      int64_t len, int64_t kv_heads, int64_t kvh, int64_t d, float *widened, const float **rows) {
     for (int64_t t = start; t < len; t++) {
         if (kv_format != KV_FLOAT32 && t + PREFETCH_AHEAD < len)
             prefetch_row(cache, (slots[t + PREFETCH_AHEAD] * kv_heads + kvh) * d, kv_format, d);
@@ -265,7 +325,10 @@ static void head_rows(const void *cache, int kv_format, const int64_t *slots, in
         if (kv_format == KV_FLOAT32) {
             rows[t] = (const float *)cache + offset;
         } else {
-            widen_row((const uint16_t *)cache + offset, kv_format, d, widened + t * d);
+            if (is_float8(kv_format))
+                widen_float8_row((const uint8_t *)cache + offset, kv_format, d, scale, widened + t * d);
+            else
+                widen_row((const uint16_t *)cache + offset, kv_format, d, widened + t * d);
             rows[t] = widened + t * d;
         }
     }
@@ -326,7 +389,8 @@ typedef struct {
  * tokens. Three passes rather than a running softmax: each is a run of independent products,
  * where a running softmax chains every token's exp and rescale behind the previous one's. */
 static void attend_group(const RequestGroup *group, int64_t kvh, const float *q, int64_t q_stride,
-                         const void *k_cache, const void *v_cache, int kv_format, const int64_t *kv_slots,
+                         const void *k_cache, const void *v_cache, int kv_format, const float scales[2],
+                         const int64_t *kv_slots,
                          int64_t stride, const int64_t *seq_lens, int64_t heads, int64_t kv_heads, int64_t d,
                          float scale, float *out, const Scratch *s) {
     const int64_t per_kv = heads / kv_heads, shared = group->shared, longest = s->longest;
@@ -338,7 +402,7 @@ static void attend_group(const RequestGroup *group, int64_t kvh, const float *q,
         const void *cache = pass == 0 ? k_cache : v_cache;
         for (int64_t m = 0; m < group->count; m++) {
             const int64_t b = group->first + m;
-            head_rows(cache, kv_format, kv_slots + b * stride, m == 0 ? 0 : shared, seq_lens[b], kv_heads, kvh,
+            head_rows(cache, kv_format, scales[pass], kv_slots + b * stride, m == 0 ? 0 : shared, seq_lens[b], kv_heads, kvh,
                       d, s->widened + m * longest * d, s->rows + m * longest);
         }
         for (int64_t t0 = 0; t0 < shared; t0 += TOKEN_BLOCK)
@@ -379,11 +443,11 @@ static void attend_group(const RequestGroup *group, int64_t kvh, const float *q,
 
 static void decode_attention(const float *q, int64_t q_stride, const float *k_new, const float *v_new,
                              int64_t new_stride, const int64_t *new_slots, void *k_cache, void *v_cache,
-                             int kv_format, const int64_t *kv_slots, int64_t stride, const int64_t *seq_lens,
+                             int kv_format, const float scales[2], const int64_t *kv_slots, int64_t stride, const int64_t *seq_lens,
                              const RequestGroup *groups, int64_t group_count, int64_t batch, int64_t heads,
                              int64_t kv_heads, int64_t d, float scale, float *out) {
     if (k_new != NULL)
-        store_new(k_new, v_new, new_stride, new_slots, k_cache, v_cache, kv_format, batch, kv_heads, d);
+        store_new(k_new, v_new, new_stride, new_slots, k_cache, v_cache, kv_format, scales, batch, kv_heads, d);
     int64_t longest = 8, members = 1;
     for (int64_t b = 0; b < batch; b++) longest = seq_lens[b] > longest ? seq_lens[b] : longest;
     for (int64_t i = 0; i < group_count; i++) members = groups[i].count > members ? groups[i].count : members;
@@ -395,7 +459,7 @@ static void decode_attention(const float *q, int64_t q_stride, const float *k_ne
                            kv_format == KV_FLOAT32 ? NULL : malloc(members * longest * d * sizeof(float)), longest};
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < group_count * kv_heads; task++)
-            attend_group(groups + task / kv_heads, task % kv_heads, q, q_stride, k_cache, v_cache, kv_format,
+            attend_group(groups + task / kv_heads, task % kv_heads, q, q_stride, k_cache, v_cache, kv_format, scales,
                          kv_slots, stride, seq_lens, heads, kv_heads, d, scale, out, &s);
         free(s.scores);
         free((void *)s.rows);
@@ -408,6 +472,7 @@ static void decode_attention(const float *q, int64_t q_stride, const float *k_ne
 typedef struct {
     void *const *k_caches, *const *v_caches; /* one a layer */
     int64_t kv_format;
+    const float *k_scales, *v_scales; /* one a layer, for float8 caches (else NULL) */
     const int64_t *new_slots, *kv_slots, *seq_lens;
     const RequestGroup *groups; /* srv_decode_groups' */
     int64_t group_count, kv_slots_stride, batch, heads, kv_heads, d;
@@ -417,7 +482,8 @@ typedef struct {
 void srv_decode_attention_layer(const void *context, int64_t layer, const float *q, int64_t q_stride,
                                 const float *k, const float *v, int64_t kv_stride, float *out) {
     const DecodeContext *c = context;
+    const float scales[2] = {c->k_scales ? c->k_scales[layer] : 1.0f, c->v_scales ? c->v_scales[layer] : 1.0f};
     decode_attention(q, q_stride, k, v, kv_stride, c->new_slots, c->k_caches[layer], c->v_caches[layer],
-                     (int)c->kv_format, c->kv_slots, c->kv_slots_stride, c->seq_lens, c->groups, c->group_count,
+                     (int)c->kv_format, scales, c->kv_slots, c->kv_slots_stride, c->seq_lens, c->groups, c->group_count,
                      c->batch, c->heads, c->kv_heads, c->d, c->scale, out);
 }

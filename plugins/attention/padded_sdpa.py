@@ -26,7 +26,7 @@ from torch.nn import functional as F
 from srv.sdk.attention import AttentionBackend, ForwardBatch
 from srv.sdk.native import NativeKernel, load_c_library
 
-KV_FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+KV_FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
 
 
 @functools.cache
@@ -43,22 +43,25 @@ def kernels() -> ctypes.CDLL:
 class DecodeContext(ctypes.Structure):
     """What srv_decode_attention_layer reads: the caches of every layer and the step's metadata."""
     _fields_ = [("k_caches", ctypes.c_void_p), ("v_caches", ctypes.c_void_p), ("kv_format", ctypes.c_int64),
-                ("new_slots", ctypes.c_void_p), ("kv_slots", ctypes.c_void_p), ("seq_lens", ctypes.c_void_p),
+                ("k_scales", ctypes.c_void_p), ("v_scales", ctypes.c_void_p), ("new_slots", ctypes.c_void_p), ("kv_slots", ctypes.c_void_p), ("seq_lens", ctypes.c_void_p),
                 ("groups", ctypes.c_void_p), ("group_count", ctypes.c_int64), ("kv_slots_stride", ctypes.c_int64),
                 ("batch", ctypes.c_int64), ("heads", ctypes.c_int64), ("kv_heads", ctypes.c_int64),
                 ("d", ctypes.c_int64), ("scale", ctypes.c_float)]
 
 
-def decode_context(k_caches: ctypes.Array, v_caches: ctypes.Array, kv_format: int, new_slots: torch.Tensor,
-                   slots: torch.Tensor, seq_lens: torch.Tensor, heads: int, kv_heads: int, head_dim: int,
-                   scale: float) -> tuple[DecodeContext, torch.Tensor]:
+def decode_context(k_caches: ctypes.Array, v_caches: ctypes.Array, kv_format: int, kv_scales: torch.Tensor | None,
+                   new_slots: torch.Tensor, slots: torch.Tensor, seq_lens: torch.Tensor, heads: int, kv_heads: int,
+                   head_dim: int, scale: float) -> tuple[DecodeContext, torch.Tensor]:
     """A decode step's context over int64 slot tables, with the groups of requests that share a
-    prefix of slots (srv_decode_groups), and the tensor of those groups it points into."""
+    prefix of slots (srv_decode_groups), and the tensor of those groups it points into.
+    kv_scales: a float8 cache's [2, layers] key and value scales, float32, or None."""
     batch = seq_lens.shape[0]
     groups = torch.empty(batch, 3, dtype=torch.int64)
     count = kernels().srv_decode_groups(slots.data_ptr(), slots.stride(0), seq_lens.data_ptr(), batch, kv_heads,
                                         groups.data_ptr())
-    context = DecodeContext(ctypes.addressof(k_caches), ctypes.addressof(v_caches), kv_format, new_slots.data_ptr(),
+    k_scales, v_scales = (None, None) if kv_scales is None else (kv_scales[0].data_ptr(), kv_scales[1].data_ptr())
+    context = DecodeContext(ctypes.addressof(k_caches), ctypes.addressof(v_caches), kv_format, k_scales, v_scales,
+                            new_slots.data_ptr(),
                             slots.data_ptr(), seq_lens.data_ptr(), groups.data_ptr(), count, slots.stride(0), batch,
                             heads, kv_heads, head_dim, scale)
     return context, groups
@@ -76,8 +79,10 @@ class PaddedSDPAAttention(AttentionBackend):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, scale)
         kernels()   # a compiler error now, at launch, rather than at the first decode step
-        # The layers' cache addresses for the kernel, per list of buffers.
+        # The layers' cache addresses for the kernel, per list of buffers, and a float8 cache's
+        # scales as the kernel reads them.
         self.cache_addresses: tuple[list[torch.Tensor], list[torch.Tensor], ctypes.Array, ctypes.Array] | None = None
+        self.kv_scales: torch.Tensor | None = None
 
     def prepare(self, batch: ForwardBatch) -> None:
         if batch.is_decode:
@@ -102,21 +107,20 @@ class PaddedSDPAAttention(AttentionBackend):
         cache = batch.kv_cache
         known = self.cache_addresses
         if known is None or known[0] is not cache.k_buffers or known[1] is not cache.v_buffers:
+            if cache.dtype not in KV_FORMATS:
+                raise ValueError(f"intel_amx attention reads a KV cache in {', '.join(map(str, KV_FORMATS))}, "
+                                 f"not {cache.dtype}")
             self.cache_addresses = (cache.k_buffers, cache.v_buffers,
                                     *((ctypes.c_void_p * len(buffers))(*(b.data_ptr() for b in buffers))
                                       for buffers in (cache.k_buffers, cache.v_buffers)))
+            self.kv_scales = torch.tensor([cache.k_scales, cache.v_scales], dtype=torch.float32) if cache.scaled \
+                else None
         k_caches, v_caches = self.cache_addresses[2:]
-        context, groups = decode_context(k_caches, v_caches, KV_FORMATS[cache.dtype], new_slots, slots, seq_lens,
-                                         self.num_heads, self.num_kv_heads, self.head_dim, self.scale)
+        context, groups = decode_context(k_caches, v_caches, KV_FORMATS[cache.dtype], self.kv_scales, new_slots, slots,
+                                         seq_lens, self.num_heads, self.num_kv_heads, self.head_dim, self.scale)
         return DecodeStep(NativeKernel.of(kernels().srv_decode_attention_layer, context), context,
                           (seq_lens, slots, new_slots, groups))
 
-    def _gather(self, buffer: torch.Tensor, batch: ForwardBatch, dtype: torch.dtype) -> torch.Tensor:
-        """[B, KVH, K, D] keys or values of every request, contiguous per (request, head)."""
-        slots = batch.kv_slots
-        # index_select on rows is several times faster than advanced indexing here.
-        rows = buffer.view(buffer.shape[0], -1).index_select(0, slots.reshape(-1))
-        return rows.view(*slots.shape, self.num_kv_heads, self.head_dim).transpose(1, 2).to(dtype).contiguous()
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 batch: ForwardBatch) -> torch.Tensor:
@@ -131,8 +135,9 @@ class PaddedSDPAAttention(AttentionBackend):
         if batch.is_decode:
             return self._decode(q, layer_id, batch)
         mask, valid_query, max_extend = batch.metadata["padded_sdpa"]
-        k = self._gather(batch.kv_cache.k_buffers[layer_id], batch, q.dtype)
-        v = self._gather(batch.kv_cache.v_buffers[layer_id], batch, q.dtype)
+        # [B, KVH, K, D], contiguous per (request, head)
+        k = batch.kv_cache.keys(layer_id, batch.kv_slots, q.dtype).transpose(1, 2).contiguous()
+        v = batch.kv_cache.values(layer_id, batch.kv_slots, q.dtype).transpose(1, 2).contiguous()
         qp = q.new_zeros(batch.batch_size, max_extend, self.num_heads, self.head_dim)
         qp[valid_query] = q
         out = F.scaled_dot_product_attention(qp.transpose(1, 2), k, v, attn_mask=mask, scale=self.scale,

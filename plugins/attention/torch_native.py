@@ -10,14 +10,14 @@ from srv.sdk.attention import AttentionBackend, ForwardBatch
 
 class TorchNativeAttention(AttentionBackend):
     def attend(self, q: torch.Tensor, layer_id: int, batch: ForwardBatch) -> torch.Tensor:
-        k_cache, v_cache = batch.kv_cache.k_buffers[layer_id], batch.kv_cache.v_buffers[layer_id]
+        cache = batch.kv_cache
         out = torch.empty_like(q)
         start = 0
         for i, (prefix, extend) in enumerate(zip(batch.prefix_lens, batch.extend_lens)):
             slots = batch.kv_slots[i, : prefix + extend]
             qi = q[start : start + extend].transpose(0, 1)
-            ki = k_cache[slots].transpose(0, 1).to(q.dtype)
-            vi = v_cache[slots].transpose(0, 1).to(q.dtype)
+            ki = cache.keys(layer_id, slots, q.dtype).transpose(0, 1)
+            vi = cache.values(layer_id, slots, q.dtype).transpose(0, 1)
             # Query j sits at position prefix + j and sees every key up to it.
             mask = torch.ones(extend, prefix + extend, dtype=torch.bool).tril(diagonal=prefix)
             oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=self.scale,

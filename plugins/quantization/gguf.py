@@ -7,7 +7,10 @@ kernels compute, and stored again in that format:
 - Q4_1: w = d * q + m, q in 0..15: 6 bits a weight with srv's float32 d and m.
 - Q8_0: w = d * q, q in -127..127: 9 bits a weight.
 
-A layer whose weights fit neither format stays dense. Batches under DENSE_FROM_*_ROWS rows
+The file's own tensor types decide what is served: a file whose linear layers (the projections,
+and the head) hold another block type (Q4_0, Q5_K, Q6_K...) is refused by `--quantization gguf`,
+naming the tensors and their types, and is served dequantized (with a warning saying so) when
+the method is inferred; float tensors (F32, F16, BF16) stay dense. Batches under DENSE_FROM_*_ROWS rows
 (decode) go to the C kernels of gguf_kernels.c, which read the quantized bytes once for all
 rows and multiply them into float32 activations: those products are bound by the bytes read.
 Larger batches are bound by arithmetic, where the served dtype's dense kernels are faster, so
@@ -224,6 +227,93 @@ def quantized_weight(weight: torch.Tensor) -> BlockWeight | None:
     return None
 
 
+# Block types srv's kernels compute, and float types, which stay dense.
+KERNEL_TYPES = ("Q4_1", "Q8_0")
+FLOAT_TYPES = ("F32", "F16", "BF16")
+LINEAR_TENSORS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+def types_without_kernel(path: Path) -> dict[str, str]:
+    """The file's linear-layer tensors whose block type srv has no kernel for: name -> type.
+    The head is `output.weight`, or the token embeddings where the file ties them."""
+    tensors = tensor_types(path)
+    head = "output.weight" if "output.weight" in tensors else "token_embd.weight"
+
+    def linear(name: str) -> bool:
+        parts = name.split(".")
+        return name == head or (len(parts) == 4 and parts[0] == "blk" and parts[2] in LINEAR_TENSORS
+                                and parts[3] == "weight")
+
+    return {name: kind for name, kind in tensors.items()
+            if linear(name) and kind not in KERNEL_TYPES + FLOAT_TYPES}
+
+
+# GGUF metadata value types: their sizes, or None for strings (8) and arrays (9).
+_VALUE_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 8: None, 9: None, 10: 8, 11: 8, 12: 8}
+
+
+def tensor_types(path: Path) -> dict[str, str]:
+    """Each tensor's block type, read from the file's header alone: gguf's GGUFReader parses the
+    whole tokenizer into Python objects first, seconds of every launch."""
+    import mmap
+    import struct
+
+    try:
+        with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            return _header_tensor_types(data)
+    except (struct.error, UnicodeDecodeError, KeyError, ValueError) as exc:
+        raise ValueError(f"{path}: not a readable GGUF header ({exc})") from None
+
+
+def _header_tensor_types(data: bytes) -> dict[str, str]:
+    import struct
+
+    from gguf import GGMLQuantizationType
+
+    if data[:4] != b"GGUF":
+        raise ValueError("no GGUF magic")
+    n_tensors, n_kv = struct.unpack_from("<QQ", data, 8)
+    offset = 24
+
+    def skip_value(kind: int) -> None:
+        nonlocal offset
+        if kind == 8:
+            offset += 8 + struct.unpack_from("<Q", data, offset)[0]
+        elif kind == 9:
+            item, count = struct.unpack_from("<IQ", data, offset)
+            offset += 12
+            if _VALUE_SIZES[item] is not None:
+                offset += count * _VALUE_SIZES[item]
+            else:
+                for _ in range(count):
+                    skip_value(item)
+        else:
+            offset += _VALUE_SIZES[kind]
+
+    for _ in range(n_kv):
+        offset += 8 + struct.unpack_from("<Q", data, offset)[0]   # the key
+        kind = struct.unpack_from("<I", data, offset)[0]
+        offset += 4
+        skip_value(kind)
+    types = {}
+    for _ in range(n_tensors):
+        length = struct.unpack_from("<Q", data, offset)[0]
+        name = data[offset + 8:offset + 8 + length].decode()
+        offset += 8 + length
+        dims = struct.unpack_from("<I", data, offset)[0]
+        offset += 4 + 8 * dims
+        types[name] = GGMLQuantizationType(struct.unpack_from("<I", data, offset)[0]).name
+        offset += 4 + 8
+    return types
+
+
+def describe(missing: dict[str, str]) -> str:
+    kinds = sorted(set(missing.values()))
+    first = next(iter(missing))
+    return (f"{', '.join(kinds)} blocks ({len(missing)} tensors, {first} is "
+            f"{missing[first]}); srv's kernels compute {' and '.join(KERNEL_TYPES)}")
+
+
 class GGUFQuantization(QuantizationMethod):
     """Recovering the blocks from float weights costs about a second of CPU at every launch, so
     the recovered weights are cached (`gguf-weights` in srv's cache root), keyed by the GGUF
@@ -233,11 +323,21 @@ class GGUFQuantization(QuantizationMethod):
     model_file: Path | None = None
 
     def detects(self, model_path: str) -> bool:
-        return Path(model_path).suffix == ".gguf"
+        if Path(model_path).suffix != ".gguf":
+            return False
+        missing = types_without_kernel(Path(model_path))
+        if missing:
+            logger.warning("%s has %s: serving it dequantized (--quantization gguf refuses it)", Path(model_path).name,
+                           describe(missing))
+        return not missing
 
     def check(self, model_path: str) -> None:
-        if not self.detects(model_path):
+        if Path(model_path).suffix != ".gguf":
             raise ValueError(f"--quantization gguf serves a .gguf file's own weights; {model_path} is not one")
+        missing = types_without_kernel(Path(model_path))
+        if missing:
+            raise ValueError(f"--quantization gguf: {Path(model_path).name} has {describe(missing)}; "
+                             "--quantization none serves it dequantized")
         kernels()   # a compiler error now, at launch, rather than at the first request
         self.model_file = Path(model_path).resolve()
 

@@ -58,15 +58,39 @@ class AttentionCase:
         return (f"prefix_lens={self.prefix_lens} extend_lens={self.extend_lens} heads={self.num_heads}/"
                 f"{self.num_kv_heads} head_dim={self.head_dim} dtype={self.dtype}")
 
-    def batch(self, backend: AttentionBackend, dtype: torch.dtype) -> ForwardBatch:
-        """A ForwardBatch over a fresh copy of the cache, stored in `dtype`."""
-        cache = KVCache(1, NUM_LAYERS, self.num_kv_heads, self.head_dim, dtype)
-        cache.k_buffers = [b.to(dtype, copy=True) for b in self.k_buffers]
-        cache.v_buffers = [b.to(dtype, copy=True) for b in self.v_buffers]
+    def batch(self, backend: AttentionBackend, dtype: torch.dtype, pool: str | None = None) -> ForwardBatch:
+        """A ForwardBatch over a fresh copy of the cache, stored in `dtype`, or in the KV pool
+        `pool` (a `--kv-cache-dtype` name) for a model served in `dtype`."""
+        if pool is None:
+            cache = KVCache(1, NUM_LAYERS, self.num_kv_heads, self.head_dim, dtype)
+            cache.k_buffers = [b.to(dtype, copy=True) for b in self.k_buffers]
+            cache.v_buffers = [b.to(dtype, copy=True) for b in self.v_buffers]
+        else:
+            cache = kv_pool(pool, self.k_buffers[0].shape[0], self.num_kv_heads, self.head_dim, dtype)
+            every_slot = torch.arange(self.k_buffers[0].shape[0])
+            for layer in range(NUM_LAYERS):
+                cache.store(layer, every_slot, self.k_buffers[layer], self.v_buffers[layer])
         return ForwardBatch(input_ids=torch.zeros_like(self.positions), positions=self.positions,
                             out_cache_loc=self.out_cache_loc, kv_slots=self.kv_slots,
                             prefix_lens=list(self.prefix_lens), extend_lens=list(self.extend_lens),
                             kv_cache=cache, attention=backend)
+
+
+# srv's KV pools besides auto (the served dtype, which the other tests cover), and the scales the
+# kit gives a scaled pool's layers: none of them 1, so that a backend that ignores them shows.
+KV_POOLS = ("fp8_e4m3", "fp8_e5m2")
+POOL_SCALES = ([0.5, 2.0], [0.25, 1.5])
+
+
+def kv_pool(name: str, num_slots: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> KVCache:
+    """The pool `name` builds for a model served in `dtype`, with POOL_SCALES where it is scaled."""
+    from srv.sdk.testing.registry import registration
+
+    cache = registration("kv_cache_dtype", name).create(None).create(num_slots, NUM_LAYERS, num_kv_heads, head_dim,
+                                                                     dtype)
+    if cache.scaled:
+        cache.k_scales, cache.v_scales = (list(s) for s in POOL_SCALES)
+    return cache
 
 
 def make_case(shape: BatchShape, num_heads: int = 8, num_kv_heads: int = 2, head_dim: int = 64,
@@ -123,9 +147,10 @@ def verify_case(dtype: torch.dtype = torch.float32, seed: int = 0) -> AttentionC
     return case
 
 
-def run(backend: AttentionBackend, case: AttentionCase, dtype: torch.dtype) -> tuple[list[torch.Tensor], ForwardBatch]:
+def run(backend: AttentionBackend, case: AttentionCase, dtype: torch.dtype,
+        pool: str | None = None) -> tuple[list[torch.Tensor], ForwardBatch]:
     """As the model runner does: `prepare` once for the batch, then `forward` for every layer."""
-    batch = case.batch(backend, dtype)
+    batch = case.batch(backend, dtype, pool)
     backend.prepare(batch)
     outputs = [backend.forward(q.to(dtype), k.to(dtype), v.to(dtype), layer, batch)
                for layer, (q, k, v) in enumerate(case.qkv)]
@@ -202,11 +227,6 @@ class AttentionBackendKit:
             assert out.dtype == dtype, f"forward returned {out.dtype} for {dtype} inputs"
             assert torch.isfinite(out).all(), "forward returned non-finite values"
 
-    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-    def test_verify_rows_match_reference(self, dtype: torch.dtype) -> None:
-        """Speculative verify passes are decode rows sharing a slot table (see verify_case)."""
-        self.assert_matches_reference(verify_case(dtype))
-
     @pytest.mark.parametrize("kind", ["mixed", "decode"])
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
                              ids=["float32", "bfloat16", "float16"])
@@ -256,6 +276,36 @@ class AttentionBackendKit:
                     assert torch.equal(getattr(native_batch.kv_cache, name)[layer],
                                        getattr(batch.kv_cache, name)[layer]), \
                         f"{kind}, layer {layer}: {name} differ from forward's"
+
+    @pytest.mark.parametrize("kind", ["mixed", "decode", "long_decode", "shared_prefix_decode", "prefix_hits"])
+    @pytest.mark.parametrize("pool", KV_POOLS)
+    def test_kv_pools_match_reference(self, pool: str, kind: str) -> None:
+        """On every KV pool (`--kv-cache-dtype`: float8 with a scale a layer), the backend reads the
+        values the pool holds: the reference's output on the same pool, in float32."""
+        case = make_case(BATCHES[kind], seed=len(kind))
+        shape = (case.num_heads, case.num_kv_heads, case.head_dim)
+        expected, _ = run(self.make_reference(*shape), case, torch.float32, pool)
+        actual, _ = run(self.make_backend(*shape), case, torch.float32, pool)
+        atol, rtol = self.tolerances[torch.float32]
+        for layer, (out, ref) in enumerate(zip(actual, expected)):
+            torch.testing.assert_close(out, ref, atol=atol, rtol=rtol,
+                                       msg=lambda m: f"{pool}, layer {layer}: differs from {self.reference_name}: {m}")
+
+    @pytest.mark.parametrize("kind", ["mixed", "decode"])
+    @pytest.mark.parametrize("pool", KV_POOLS)
+    def test_forward_stores_into_kv_pools_as_the_pool_does(self, pool: str, kind: str) -> None:
+        """forward stores this step's k and v as the pool's own `store` would: the same bytes."""
+        case = make_case(BATCHES[kind], seed=3)
+        _, batch = run(self.make_backend(case.num_heads, case.num_kv_heads, case.head_dim), case, torch.float32,
+                       pool)
+        expected = kv_pool(pool, case.k_buffers[0].shape[0], case.num_kv_heads, case.head_dim, torch.float32)
+        for layer, (_, k, v) in enumerate(case.qkv):
+            expected.store(layer, case.out_cache_loc, k, v)
+            for name in ("k_buffers", "v_buffers"):
+                stored = getattr(batch.kv_cache, name)[layer][case.out_cache_loc]
+                want = getattr(expected, name)[layer][case.out_cache_loc]
+                assert torch.equal(stored.view(torch.uint8), want.view(torch.uint8)), \
+                    f"{pool}, layer {layer}: {name} at out_cache_loc differ from the pool's own store"
 
     def test_prepare_once_then_layers_and_batches_reuse_one_backend(self) -> None:
         """One backend serves every batch: prepare once per batch, then forward per layer.

@@ -32,8 +32,8 @@ class FlexAttention(AttentionBackend):
 
     def attend(self, q: torch.Tensor, layer_id: int, batch: ForwardBatch) -> torch.Tensor:
         mask, slots = batch.metadata["flex_attention"]
-        k = batch.kv_cache.k_buffers[layer_id][slots].to(q.dtype)
-        v = batch.kv_cache.v_buffers[layer_id][slots].to(q.dtype)
+        k = batch.kv_cache.keys(layer_id, slots, q.dtype)
+        v = batch.kv_cache.values(layer_id, slots, q.dtype)
         out = flex_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                              block_mask=mask, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)
         return out[0].transpose(0, 1)
