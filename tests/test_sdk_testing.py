@@ -127,6 +127,15 @@ class TestW8A8Int8(QuantizationMethodKit):
     relative_tolerance = 3e-2   # int8 activations as well as weights
 
 
+class TestFp8(QuantizationMethodKit):
+    backend_name = "fp8"
+    relative_tolerance = 5e-2   # e4m3 keeps three bits of mantissa
+
+
+class TestW8A8Fp8(TestFp8):
+    backend_name = "w8a8_fp8"
+
+
 class TestGGUFQuantizationQ4_1(QuantizationMethodKit):
     backend_name = "gguf"
 

@@ -11,6 +11,11 @@ first dimension (the same split tensor parallelism will make). Once every weight
 `process_weights_after_loading` turns them into what `apply` computes with (quantizing a float
 checkpoint at load, repacking for a kernel).
 
+A parameter whose checkpoint tensor is not simply its rows (a per-tensor scale of one shard of
+a fused layer, block scales to spread over rows) carries a `weight_loader(rows, tensor)`:
+model implementations call `load_weight`, which hands it the parameter's rows for the shard
+(the whole parameter for an unfused layer) and the checkpoint's tensor.
+
 A method's parameters are cast with the model to the served dtype where they are floating
 point; what must keep its dtype (scales) is kept as plain attributes by
 `process_weights_after_loading`.
@@ -69,6 +74,23 @@ class Linear(nn.Module):
                 f"method={type(self.method).__name__}")
 
 
-def parameter(*shape: int, dtype: torch.dtype) -> nn.Parameter:
-    """An empty parameter a method registers (frozen: srv never trains)."""
-    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+def parameter(*shape: int, dtype: torch.dtype, weight_loader=None) -> nn.Parameter:
+    """An empty parameter a method registers (frozen: srv never trains), with its
+    `weight_loader(rows, tensor)` where the checkpoint's tensor needs one."""
+    param = nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+    if weight_loader is not None:
+        param.weight_loader = weight_loader
+    return param
+
+
+def load_weight(name: str, param: torch.Tensor, rows: torch.Tensor, tensor: torch.Tensor) -> None:
+    """Fill `rows` (the parameter `param`, or its rows of one shard of a fused layer) from the
+    checkpoint's `tensor` named `name`: through the parameter's weight_loader, else a copy of
+    the same shape."""
+    loader = getattr(param, "weight_loader", None)
+    if loader is not None:
+        loader(rows, tensor)
+        return
+    if tensor.shape != rows.shape:
+        raise ValueError(f"checkpoint weight {name} has shape {list(tensor.shape)}, the model's {list(rows.shape)}")
+    rows.copy_(tensor)

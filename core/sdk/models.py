@@ -62,8 +62,13 @@ def materialize(model: nn.Module) -> nn.Module:
     """Give a model built on the meta device empty CPU storage, for a loader to fill.
 
     `Module.to_empty` does the same through torch's Python reference of `empty_like`, whose
-    first call imports sympy: half a second of every launch."""
-    return model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype))
+    first call imports sympy: half a second of every launch. The attributes a linear method set
+    on its parameters (srv.sdk.linear's weight_loader) are carried over to the new ones."""
+    attributes = {name: dict(p.__dict__) for name, p in model.named_parameters() if p.__dict__}
+    model = model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype))
+    for name, param in model.named_parameters():
+        param.__dict__.update(attributes.get(name, {}))
+    return model
 
 
 @dataclass

@@ -18,6 +18,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from srv.sdk.attention import ForwardBatch
+from srv.sdk.linear import load_weight
 from srv.sdk.models import ModelOutput
 from srv.sdk.native import NativeBuildError, NativeKernel, load_c_library
 
@@ -316,8 +317,11 @@ class LlamaForCausalLM(nn.Module):
             if proj in self.FUSED:
                 fused, shard = self.FUSED[proj]
                 target = params[f"{parent}.{fused}.{leaf}"]
-                copy_checked(name, self._fused_shard(target, fused, shard, parent), tensor)
+                load_weight(name, target, self._fused_shard(target, fused, shard, parent), tensor)
                 loaded.add(f"{parent}.{fused}.{leaf}")
+            elif hasattr(params[name], "weight_loader"):
+                load_weight(name, params[name], params[name].data, tensor)
+                loaded.add(name)
             else:
                 adopt(name, params[name], tensor)
                 loaded.add(name)
@@ -350,9 +354,7 @@ def adopt(name: str, param: nn.Parameter, tensor: torch.Tensor) -> None:
 
 def copy_checked(name: str, target: torch.Tensor, tensor: torch.Tensor) -> None:
     """copy_ would broadcast a smaller tensor over the target."""
-    if tensor.shape != target.shape:
-        raise ValueError(f"checkpoint weight {name} has shape {list(tensor.shape)}, the model's {list(target.shape)}")
-    target.copy_(tensor)
+    load_weight(name, target, target, tensor)
 
 
 def rope_settings(config: Any) -> tuple[float, dict[str, Any] | None]:

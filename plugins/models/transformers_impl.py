@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from srv.sdk.attention import ForwardBatch
+from srv.sdk.linear import load_weight
 from srv.sdk.models import ModelOutput
 
 logger = logging.getLogger("srv.models.transformers")
@@ -234,9 +235,7 @@ def _weight_conversions(model: nn.Module) -> list:
 
 
 def _copy(name: str, target: torch.Tensor, tensor: torch.Tensor) -> None:
-    if target.shape != tensor.shape:
-        raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(target.shape)}")
-    target.data.copy_(tensor)
+    load_weight(name, target, target.data, tensor)
 
 
 def _set_buffer(model: nn.Module, name: str, tensor: torch.Tensor) -> None:

@@ -1,6 +1,7 @@
 """Built-in quantization plugins: `--quantization gguf` (a GGUF file's 4-bit and 8-bit blocks),
-`w8a8_int8` (int8 weights and activations, int32 accumulation), both on srv's C kernels
-compiled on first use, and the GPU-only methods of SGLang's list, registered with what they need."""
+`w8a8_int8` (int8 weights and activations, int32 accumulation), `fp8` and `w8a8_fp8` (float8
+weights, computed weight-only), all on srv's C kernels compiled on first use, and the GPU-only
+methods of SGLang's list, registered with what they need."""
 
 from srv.sdk import Availability, all_of, hookimpl, requires_c_compiler, requires_cpu_flags, requires_cuda
 
@@ -41,6 +42,14 @@ def srv_register_quantization_methods(register):
                          "(AVX512-VNNI, AVX2 or portable C; oneDNN for large batches); reads SGLang's "
                          "and compressed-tensors' int8 checkpoints, quantizes float ones at load",
              available=requires_c_compiler, priority=5)
+    register("fp8", "srv.plugins.quantization.fp8:Fp8Quantization",
+             description="float8 e4m3 weights (per-tensor, per-channel or block scales) computed weight-only: "
+                         "Fp8Config and compressed-tensors checkpoints, float ones quantized at load",
+             available=requires_c_compiler, priority=4)
+    register("w8a8_fp8", "srv.plugins.quantization.fp8:W8A8Fp8Quantization",
+             description="SGLang's w8a8_fp8 checkpoints (per-channel float8 weights), computed weight-only: "
+                         "no CPU has float8 arithmetic, so activations stay in the served dtype",
+             available=requires_c_compiler)
     for name, what in GPU_ONLY.items():
         register(name, "srv.plugins.quantization.gpu_only:GPUOnlyQuantization",
                  description=f"SGLang's {name}: GPU kernels only",

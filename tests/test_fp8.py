@@ -1,0 +1,120 @@
+"""`--quantization fp8` and `w8a8_fp8` (kit in test_sdk_testing.py): float8 e4m3fn weights with
+per-tensor, per-channel and block scales, computed weight-only. The kernels against the
+dequantized product, the checkpoint layouts against transformers on the dequantized weights, and
+the default model within the stated bound."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import srv
+from srv.plugins.quantization.fp8 import Fp8Weight, dequantize, kernels, quantize_weight
+from srv.sdk import requires_cpu_flags
+from srv.sdk.testing.quantization import measure_accuracy
+from srv.sdk.testing.tiny_model import hf_greedy
+
+TOP1_LOGPROB_ERROR_BOUND = 0.20
+GREEDY_AGREEMENT_BOUND = 0.85
+
+
+def test_every_e4m3_byte_widens_as_torch_reads_it():
+    """The kernel widens all 255 non-NaN bytes to torch's values (one-hot rows pick each weight)."""
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+    w8 = codes.view(torch.float8_e4m3fn).reshape(-1, 1).repeat(1, 8).contiguous()
+    for isa in [0, 1] if requires_cpu_flags("avx2", "fma", "f16c")().ok else [0]:
+        weight = Fp8Weight(w8, torch.ones(w8.shape[0], 1), 8, None, isa)
+        x = torch.zeros(1, 8)
+        x[0, 3] = 1.0
+        y = torch.empty(1, w8.shape[0])
+        kernels().srv_fp8_linear(ctypes.addressof(weight.context), x.data_ptr(), 1, y.data_ptr())
+        assert torch.equal(y[0], w8[:, 3].float()), isa
+
+
+@pytest.mark.parametrize("block_k", [16, 40, 100])
+def test_kernels_compute_the_dequantized_product(block_k):
+    generator = torch.Generator().manual_seed(0)
+    n, k = 48, 100
+    w8 = (torch.randn(n, k, generator=generator) * 50).clamp(-448, 448).to(torch.float8_e4m3fn)
+    scale = torch.rand(n, -(-k // block_k), generator=generator) + 0.5
+    bias = torch.randn(n, generator=generator)
+    reference_weight = dequantize(w8, scale, block_k, torch.float64)
+    for isa in [0, 1] if requires_cpu_flags("avx2", "fma", "f16c")().ok else [0]:
+        weight = Fp8Weight(w8, scale, block_k, bias, isa)
+        for rows in (1, 3, 5, 15):
+            x = torch.randn(rows, k, generator=generator)
+            expected = (x.double() @ reference_weight.t() + bias.double()).float()
+            torch.testing.assert_close(weight.matmul(x, torch.float32), expected, rtol=1e-5, atol=1e-3)
+
+
+def write_fp8_checkpoint(source, target, layout):
+    """The float checkpoint `source` in float8, as the formats store it; returns the dequantized
+    float weights (what transformers is given as the reference)."""
+    shutil.copytree(source, target)
+    tensors = load_file(str(source / "model.safetensors"))
+    out, dequantized = {}, {}
+    for name, tensor in tensors.items():
+        if not name.endswith("proj.weight"):
+            out[name] = dequantized[name] = tensor
+            continue
+        if layout == "tensor":
+            scale = tensor.abs().max() / 448
+            w8 = (tensor / scale).to(torch.float8_e4m3fn)
+            out[name.replace(".weight", ".weight_scale")] = scale.reshape(())
+            dequantized[name] = w8.float() * scale
+        elif layout == "channel":
+            w8, scale = quantize_weight(tensor)
+            out[name.replace(".weight", ".weight_scale")] = scale
+            dequantized[name] = w8.float() * scale
+        else:   # 32 x 32 blocks
+            n, k = tensor.shape
+            blocks = tensor.reshape(n // 32, 32, k // 32, 32)
+            scale = blocks.abs().amax(dim=(1, 3)) / 448
+            w8 = (blocks / scale[:, None, :, None]).to(torch.float8_e4m3fn).reshape(n, k)
+            out[name.replace(".weight", ".weight_scale_inv")] = scale
+            dequantized[name] = dequantize(w8, scale.repeat_interleave(32, 0), 32, torch.float32)
+        out[name] = w8
+    save_file(out, str(target / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((source / "config.json").read_text())
+    quantization = {"tensor": {"quant_method": "fp8", "activation_scheme": "dynamic"},
+                    "block": {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [32, 32]},
+                    "channel": {"quant_method": "compressed-tensors", "format": "float-quantized",
+                                "ignore": ["lm_head"], "config_groups": {"group_0": {
+                                    "targets": ["Linear"],
+                                    "weights": {"num_bits": 8, "type": "float", "symmetric": True,
+                                                "strategy": "channel", "dynamic": False},
+                                    "input_activations": {"num_bits": 8, "type": "float", "symmetric": True,
+                                                          "strategy": "token", "dynamic": True}}}}}[layout]
+    (target / "config.json").write_text(json.dumps({**config, "quantization_config": quantization}))
+    return dequantized
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("layout", ["tensor", "channel", "block"])
+def test_fp8_checkpoints_match_transformers_on_their_dequantized_weights(tiny_models, tmp_path, kind, layout):
+    """Each layout is read as stored (the method inferred from the config), the fused shards
+    keeping their own scales, and decodes transformers' greedy tokens on the same values."""
+    from transformers import AutoModelForCausalLM
+
+    dequantized = write_fp8_checkpoint(tiny_models[kind], tmp_path / kind, layout)
+    reference = AutoModelForCausalLM.from_pretrained(str(tiny_models[kind]), dtype=torch.float32).eval()
+    reference.load_state_dict(dequantized, strict=False)
+    prompts = [[5, 6, 7, 8, 9], [100, 200, 300]]
+    with srv.Engine(model_path=str(tmp_path / kind), dtype="float32", max_total_tokens=1024) as engine:
+        qkv = engine.runner.model.layers[0].self_attn.qkv_proj
+        assert qkv.fp8.w8.dtype == torch.float8_e4m3fn
+        results = engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": 8, "temperature": 0,
+                                                                      "ignore_eos": True})
+    for prompt, result in zip(prompts, results):
+        assert result["output_ids"] == hf_greedy(reference, prompt, 8)
+
+
+def test_default_model_within_the_stated_bound():
+    accuracy = measure_accuracy(srv.Engine, {"dtype": "float32", "quantization": "fp8"})
+    assert accuracy.top1_logprob_error <= TOP1_LOGPROB_ERROR_BOUND, accuracy
+    assert accuracy.greedy_agreement >= GREEDY_AGREEMENT_BOUND, accuracy
