@@ -26,8 +26,10 @@ kit checks that kernel against `forward`.
 
 from __future__ import annotations
 
+import json
 import logging
 from abc import ABC
+from pathlib import Path
 from typing import Any
 
 from torch import nn
@@ -99,3 +101,35 @@ class QuantizationMethod(ABC):
                     replaced += 1
         logger.info("%s: %d linear layers quantized", type(self).__name__, replaced)
         return replaced
+
+
+def checkpoint_quantization_config(model_path: str) -> dict[str, Any]:
+    """The `quantization_config` of the config.json in the directory `model_path` ({} when there
+    is none, or `model_path` is a file)."""
+    config = Path(model_path) / "config.json"
+    if not config.is_file():
+        return {}
+    return json.loads(config.read_text()).get("quantization_config") or {}
+
+
+def compressed_tensors_scheme(config: dict[str, Any], formats: tuple[str | None, ...],
+                              requirements: dict[str, dict[str, Any]]) -> tuple[dict[str, Any] | None, str]:
+    """The one config group of a compressed-tensors `quantization_config` whose format is one of
+    `formats` and whose "weights" and "input_activations" schemes have the values
+    `requirements` names (a tuple of values: any of them), and "" — or None and why not."""
+    if config.get("quant_method") != "compressed-tensors":
+        return None, "is not compressed-tensors"
+    if config.get("format") not in formats:
+        return None, f"has format {config.get('format')!r}, not {next(f for f in formats if f)!r}"
+    groups = list((config.get("config_groups") or {}).values())
+    if len(groups) != 1:
+        return None, f"has {len(groups)} config groups, not one"
+    for role, wanted in requirements.items():
+        scheme = groups[0].get(role) or {}
+        for key, value in wanted.items():
+            allowed = value if isinstance(value, tuple) else (value,)
+            if scheme.get(key) not in allowed:
+                return None, (f"quantizes its {role.replace('_', ' ')} with {key}={scheme.get(key)!r}, not "
+                              f"{' or '.join(map(repr, allowed))}")
+    return groups[0], ""
+

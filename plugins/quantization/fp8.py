@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -36,7 +35,8 @@ from torch.nn import functional as F
 from srv.sdk import requires_cpu_flags
 from srv.sdk.linear import Linear, LinearMethod, parameter
 from srv.sdk.native import NativeKernel, load_c_library
-from srv.sdk.quantization import QuantizationMethod
+from srv.sdk.quantization import (QuantizationMethod, checkpoint_quantization_config,
+                                  compressed_tensors_scheme)
 
 logger = logging.getLogger("srv.quantization")
 
@@ -179,10 +179,10 @@ class Fp8Quantization(QuantizationMethod):
         self.isa = best_isa()
 
     def detects(self, model_path: str) -> bool:
-        return compressed_tensors_fp8(read_quantization_config(model_path)) is not None
+        return compressed_tensors_fp8(checkpoint_quantization_config(model_path)) is not None
 
     def check(self, model_path: str) -> None:
-        config = read_quantization_config(model_path)
+        config = checkpoint_quantization_config(model_path)
         method = config.get("quant_method")
         if method == "compressed-tensors":
             compressed_tensors_fp8(config, refuse=True)
@@ -219,34 +219,14 @@ class W8A8Fp8Quantization(Fp8Quantization):
     NAME = "w8a8_fp8"
 
 
-def read_quantization_config(model_path: str) -> dict[str, Any]:
-    config = Path(model_path) / "config.json"
-    if not config.is_file():
-        return {}
-    return json.loads(config.read_text()).get("quantization_config") or {}
-
-
 def compressed_tensors_fp8(config: dict[str, Any], refuse: bool = False) -> dict[str, Any] | None:
     """The scheme of a compressed-tensors config with float8 e4m3 weights (tensor, channel or
     block scales), or None (with `refuse`, a ValueError saying what differs)."""
-    def no(why: str) -> None:
-        if refuse:
-            raise ValueError(f"--quantization fp8 reads compressed-tensors float8 checkpoints; this one {why}")
-        return None
-
-    if config.get("quant_method") != "compressed-tensors":
-        return no("is not compressed-tensors")
-    if config.get("format") not in ("float-quantized", "naive-quantized", None):
-        return no(f"has format {config.get('format')!r}, not 'float-quantized'")
-    groups = list((config.get("config_groups") or {}).values())
-    if len(groups) != 1:
-        return no(f"has {len(groups)} config groups, not one")
-    weights = groups[0].get("weights") or {}
-    for key, value in (("num_bits", 8), ("type", "float"), ("symmetric", True)):
-        if weights.get(key) != value:
-            return no(f"quantizes its weights with {key}={weights.get(key)!r}, not {value!r}")
-    if weights.get("strategy") not in ("tensor", "channel", "block"):
-        return no(f"has weight strategy {weights.get('strategy')!r}, not tensor, channel or block")
-    if weights.get("strategy") == "block" and len(weights.get("block_structure") or []) != 2:
-        return no("has block strategy without a two-number block_structure")
-    return groups[0]
+    group, why = compressed_tensors_scheme(config, ("float-quantized", "naive-quantized", None), {
+        "weights": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": ("tensor", "channel", "block")}})
+    if group is not None and group["weights"]["strategy"] == "block" \
+            and len(group["weights"].get("block_structure") or []) != 2:
+        group, why = None, "has block strategy without a two-number block_structure"
+    if group is None and refuse:
+        raise ValueError(f"--quantization fp8 reads compressed-tensors float8 checkpoints; this one {why}")
+    return group

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import json
 import logging
 import os
 import re
@@ -43,7 +42,8 @@ from torch import nn
 from srv.sdk import requires_cpu_flags
 from srv.sdk.linear import Linear, LinearMethod, parameter
 from srv.sdk.native import NativeKernel, load_c_library
-from srv.sdk.quantization import QuantizationMethod
+from srv.sdk.quantization import (QuantizationMethod, checkpoint_quantization_config,
+                                  compressed_tensors_scheme)
 
 logger = logging.getLogger("srv.quantization")
 
@@ -175,10 +175,10 @@ class W8A8Int8Quantization(QuantizationMethod):
         self.isa = best_isa()
 
     def detects(self, model_path: str) -> bool:
-        return compressed_tensors_int8(read_quantization_config(model_path)) is not None
+        return compressed_tensors_int8(checkpoint_quantization_config(model_path)) is not None
 
     def check(self, model_path: str) -> None:
-        config = read_quantization_config(model_path)
+        config = checkpoint_quantization_config(model_path)
         method = config.get("quant_method")
         if method == "compressed-tensors":
             compressed_tensors_int8(config, refuse=True)
@@ -199,37 +199,16 @@ class W8A8Int8Quantization(QuantizationMethod):
         return Int8LinearMethod(stored=True, isa=self.isa)
 
 
-def read_quantization_config(model_path: str) -> dict[str, Any]:
-    config = Path(model_path) / "config.json"
-    if not config.is_file():
-        return {}
-    return json.loads(config.read_text()).get("quantization_config") or {}
-
-
 def compressed_tensors_int8(config: dict[str, Any], refuse: bool = False) -> dict[str, Any] | None:
     """The scheme of a compressed-tensors config this method computes (int8 channel-wise
     symmetric weights, dynamic int8 per-token activations), or None (with `refuse`, a
     ValueError saying what differs)."""
-    def no(why: str) -> None:
-        if refuse:
-            raise ValueError(f"--quantization w8a8_int8 reads compressed-tensors int8 checkpoints; this one {why}")
-        return None
-
-    if config.get("quant_method") != "compressed-tensors":
-        return no("is not compressed-tensors")
-    if config.get("format") not in ("int-quantized", None):
-        return no(f"has format {config.get('format')!r}, not 'int-quantized'")
-    groups = list((config.get("config_groups") or {}).values())
-    if len(groups) != 1:
-        return no(f"has {len(groups)} config groups, not one")
-    weights, inputs = groups[0].get("weights") or {}, groups[0].get("input_activations") or {}
-    want_weights = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}
-    want_inputs = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True}
-    for role, scheme, want in (("weights", weights, want_weights), ("input activations", inputs, want_inputs)):
-        for key, value in want.items():
-            if scheme.get(key) != value:
-                return no(f"quantizes its {role} with {key}={scheme.get(key)!r}, not {value!r}")
-    return groups[0]
+    group, why = compressed_tensors_scheme(config, ("int-quantized", None), {
+        "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"},
+        "input_activations": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True}})
+    if group is None and refuse:
+        raise ValueError(f"--quantization w8a8_int8 reads compressed-tensors int8 checkpoints; this one {why}")
+    return group
 
 
 def ignored(name: str, patterns: list[str]) -> bool:
