@@ -103,7 +103,7 @@ def decode_attention(config: ModelConfig, batches: list[int], contexts: list[int
         k_addresses, v_addresses = ((ctypes.c_void_p * layers)(*(b.data_ptr() for b in buffers))
                                     for buffers in (k_caches, v_caches))
         # groups: the tensor the context points into, alive as long as it is
-        context_of_step, groups = decode_context(k_addresses, v_addresses, KV_FORMATS[torch.float32],
+        context_of_step, groups = decode_context(k_addresses, v_addresses, KV_FORMATS[torch.float32], None,
                                                  new_slots, slots, seq_lens, heads, kv_heads, head_dim,
                                                  head_dim ** -0.5)
 
