@@ -82,3 +82,16 @@ def test_default_model_within_the_stated_bound(dtype):
                                 reference_flags={"dtype": "float32"})
     assert accuracy.top1_logprob_error <= error_bound, accuracy
     assert accuracy.greedy_agreement >= agreement_bound, accuracy
+
+
+def test_the_default_pool_is_sized_from_available_memory():
+    """MemAvailable, not free pages: the page cache a machine filled reading files (a benchmark's
+    weights, a GGUF conversion) is memory the KV cache may have."""
+    import os
+
+    from srv.engine.model_runner import available_memory_bytes
+
+    with open("/proc/meminfo") as meminfo:
+        expected = next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:"))
+    assert abs(available_memory_bytes() - expected) < 256 * 2**20
+    assert available_memory_bytes() >= os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") - 256 * 2**20

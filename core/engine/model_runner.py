@@ -22,8 +22,22 @@ logger = logging.getLogger("srv.engine")
 
 DTYPES = {"half": torch.float16, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "float": torch.float32, "float32": torch.float32}
-# Without --max-total-tokens or --mem-fraction-static, the KV cache takes this share of free RAM.
+# Without --max-total-tokens or --mem-fraction-static, the KV cache takes this share of available RAM.
 DEFAULT_CPU_MEM_FRACTION = 0.1
+
+
+def available_memory_bytes() -> int:
+    """The kernel's estimate of memory available without swapping (MemAvailable: free pages plus
+    the page cache and other memory it can reclaim). Free pages alone shrink with every file read,
+    so a machine that had just read gigabytes would size a much smaller cache."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def served_dtype(name: str, method: QuantizationMethod | None = None) -> torch.dtype:
@@ -152,8 +166,7 @@ class ModelRunner:
         if self.args.max_total_tokens:
             return self.args.max_total_tokens
         fraction = self.args.mem_fraction_static or DEFAULT_CPU_MEM_FRACTION
-        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        return int(fraction * available // self.kv_bytes_per_token())
+        return int(fraction * available_memory_bytes() // self.kv_bytes_per_token())
 
     def allocate_kv_cache(self, num_slots: int) -> None:
         self.kv_cache = self.kv_cache_dtype.create(num_slots, self.num_layers, self.num_kv_heads, self.head_dim,
