@@ -26,7 +26,7 @@ def test_a_float8_pool_saturates_and_reads_back_through_its_scales():
     assert keys.tolist() == [1.0, -3.0, 448.0 * 2, -448.0 * 2]     # e4m3's largest finite value is 448
     values = cache.values(0, torch.tensor([1]), torch.float32)[0, 0]
     assert values[:2].tolist() == [1.0, -3.0] and values[2] == 448 * 0.5
-    assert cache.bytes_per_token == 2 * 4
+    assert cache.k_buffers[0].element_size() == cache.v_buffers[0].element_size() == 1
 
 
 def write_scales(path, layers, dtype="float8_e4m3fn", scale=0.5):
@@ -70,7 +70,8 @@ def test_a_float8_pool_takes_one_byte_a_value():
     with srv.Engine(kv_cache_dtype="fp8_e5m2", dtype="float32", max_total_tokens=4096) as engine:
         runner = engine.runner
         values = 2 * runner.num_layers * runner.num_kv_heads * runner.head_dim
-        assert runner.kv_bytes_per_token() == runner.kv_cache.bytes_per_token == values
+        assert runner.kv_bytes_per_token() == values
+        assert all(b.element_size() == 1 for b in runner.kv_cache.k_buffers + runner.kv_cache.v_buffers)
 
 
 @pytest.mark.parametrize("dtype", list(BOUNDS))

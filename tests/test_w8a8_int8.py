@@ -161,3 +161,13 @@ def test_default_model_within_the_stated_bound():
     assert accuracy.top1_logprob_error <= TOP1_LOGPROB_ERROR_BOUND, accuracy
     assert accuracy.greedy_agreement >= GREEDY_AGREEMENT_BOUND, accuracy
 
+
+
+def test_stored_checkpoints_keep_the_head_and_their_listed_layers_float():
+    from srv.sdk.quantization import kept_float
+
+    assert kept_float("lm_head", {})
+    assert kept_float("layers.0.mlp.down_proj", {"ignore": ["re:.*mlp\\.down_proj"]})
+    assert kept_float("layers.1.self_attn.o_proj", {"ignored_layers": ["model.layers.1.self_attn.o_proj"]})
+    assert kept_float("layers.2.mlp.gate_up_proj", {"modules_to_not_convert": ["layers.2.mlp.gate_up_proj"]})
+    assert not kept_float("layers.0.mlp.gate_up_proj", {"ignore": ["re:.*mlp\\.down_proj", "lm_head"]})

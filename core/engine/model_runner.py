@@ -172,7 +172,7 @@ class ModelRunner:
         self.kv_cache = self.kv_cache_dtype.create(num_slots, self.num_layers, self.num_kv_heads, self.head_dim,
                                                    self.dtype)
         logger.info("KV cache: %d slots in %s, %.1f MiB", num_slots, str(self.kv_cache.dtype).removeprefix("torch."),
-                    num_slots * self.kv_cache.bytes_per_token / 2**20)
+                    num_slots * self.kv_bytes_per_token() / 2**20)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, out_cache_loc: torch.Tensor,
                 kv_slots: torch.Tensor, prefix_lens: list[int], extend_lens: list[int],

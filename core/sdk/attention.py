@@ -42,11 +42,6 @@ class KVCache:
         if len(self.k_scales) != num_layers or len(self.v_scales) != num_layers:
             raise ValueError(f"a KV cache of {num_layers} layers needs {num_layers} key and value scales")
 
-    @property
-    def bytes_per_token(self) -> int:
-        buffer = self.k_buffers[0]
-        return 2 * len(self.k_buffers) * buffer[0].numel() * buffer.element_size()
-
     def store(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         self.k_buffers[layer_id][slots] = self._encode(k, self.k_scales[layer_id])
         self.v_buffers[layer_id][slots] = self._encode(v, self.v_scales[layer_id])

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from abc import ABC
 from pathlib import Path
 from typing import Any
@@ -132,4 +133,22 @@ def compressed_tensors_scheme(config: dict[str, Any], formats: tuple[str | None,
                 return None, (f"quantizes its {role.replace('_', ' ')} with {key}={scheme.get(key)!r}, not "
                               f"{' or '.join(map(repr, allowed))}")
     return groups[0], ""
+
+
+def kept_float(name: str, config: dict[str, Any]) -> bool:
+    """Whether a checkpoint stored quantized keeps the model's linear layer `name` in float: the
+    head (SGLang computes heads unquantized), and the layers its config lists as left alone
+    (compressed-tensors' `ignore`, Fp8Config's `ignored_layers`, `modules_to_not_convert`):
+    module names, or "re:" patterns, matched with or without the checkpoint's "model." prefix."""
+    if name.rsplit(".", 1)[-1] == "lm_head":
+        return True
+    names = {name, f"model.{name}"}
+    for key in ("ignore", "ignored_layers", "modules_to_not_convert"):
+        for pattern in config.get(key) or []:
+            if pattern.startswith("re:"):
+                if any(re.fullmatch(pattern[3:], n) for n in names):
+                    return True
+            elif pattern in names:
+                return True
+    return False
 

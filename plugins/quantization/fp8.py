@@ -36,7 +36,7 @@ from srv.sdk import requires_cpu_flags
 from srv.sdk.linear import Linear, LinearMethod, parameter
 from srv.sdk.native import NativeKernel, load_c_library
 from srv.sdk.quantization import (QuantizationMethod, checkpoint_quantization_config,
-                                  compressed_tensors_scheme)
+                                  compressed_tensors_scheme, kept_float)
 
 logger = logging.getLogger("srv.quantization")
 
@@ -196,8 +196,7 @@ class Fp8Quantization(QuantizationMethod):
         method = config.get("quant_method")
         if method is None:
             return Fp8LinearMethod("float", self.isa)
-        skipped = config.get("ignored_layers") or config.get("modules_to_not_convert") or config.get("ignore") or []
-        if name.rsplit(".", 1)[-1] == "lm_head" or any(s in (name, f"model.{name}") for s in skipped):
+        if kept_float(name, config):
             return None
         if method == "compressed-tensors":
             scheme = compressed_tensors_fp8(config, refuse=True)

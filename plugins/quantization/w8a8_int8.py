@@ -32,7 +32,6 @@ import ctypes
 import functools
 import logging
 import os
-import re
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +42,7 @@ from srv.sdk import requires_cpu_flags
 from srv.sdk.linear import Linear, LinearMethod, parameter
 from srv.sdk.native import NativeKernel, load_c_library
 from srv.sdk.quantization import (QuantizationMethod, checkpoint_quantization_config,
-                                  compressed_tensors_scheme)
+                                  compressed_tensors_scheme, kept_float)
 
 logger = logging.getLogger("srv.quantization")
 
@@ -192,9 +191,7 @@ class W8A8Int8Quantization(QuantizationMethod):
         method = config.get("quant_method")
         if method is None:
             return Int8LinearMethod(stored=False, isa=self.isa)
-        # The checkpoints keep their head in float (SGLang computes a head unquantized whatever
-        # the method), so a tied head is the embedding matrix.
-        if name.rsplit(".", 1)[-1] == "lm_head" or ignored(name, config.get("ignore") or []):
+        if kept_float(name, config):   # the head (a tied one is the embedding matrix) and `ignore`
             return None
         return Int8LinearMethod(stored=True, isa=self.isa)
 
@@ -209,16 +206,3 @@ def compressed_tensors_int8(config: dict[str, Any], refuse: bool = False) -> dic
     if group is None and refuse:
         raise ValueError(f"--quantization w8a8_int8 reads compressed-tensors int8 checkpoints; this one {why}")
     return group
-
-
-def ignored(name: str, patterns: list[str]) -> bool:
-    """Whether compressed-tensors' `ignore` list names the layer: module names, or "re:" patterns,
-    matched with or without the checkpoint's "model." prefix."""
-    names = {name, f"model.{name}"}
-    for pattern in patterns:
-        if pattern.startswith("re:"):
-            if any(re.fullmatch(pattern[3:], n) for n in names):
-                return True
-        elif pattern in names:
-            return True
-    return False
