@@ -136,6 +136,15 @@ class TestW8A8Fp8(TestFp8):
     backend_name = "w8a8_fp8"
 
 
+class TestGPTQ(QuantizationMethodKit):
+    backend_name = "gptq"      # a float model, quantized at load to 4-bit groups
+    relative_tolerance = 1.5e-1   # 4 bits keep about 1 part in 10 of a group's range
+
+
+class TestAWQMarlin(TestGPTQ):
+    backend_name = "awq_marlin"
+
+
 class TestGGUFQuantizationQ4_1(QuantizationMethodKit):
     backend_name = "gguf"
 

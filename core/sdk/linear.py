@@ -7,7 +7,11 @@ the checkpoint holds for that layer in the method's own format (int8 `weight` an
 `weight_scale`, say). The loader fills them by their checkpoint names; a model that stores
 projections fused (query, key and value in one layer) copies each checkpoint shard into rows
 of each parameter, so every parameter a method creates is indexed by output feature along its
-first dimension (the same split tensor parallelism will make). Once every weight is in,
+first dimension (the same split tensor parallelism will make): one output feature a row, or
+`outputs_per_row` of them where a format packs several outputs into one element (eight 4-bit
+zero points in an int32), or none where the tensor belongs to the inputs (GPTQ's `g_idx`,
+which every shard of a fused layer shares: `outputs_per_row=None`). `shard_rows` says which
+rows hold a shard. Once every weight is in,
 `process_weights_after_loading` turns them into what `apply` computes with (quantizing a float
 checkpoint at load, repacking for a kernel).
 
@@ -74,13 +78,28 @@ class Linear(nn.Module):
                 f"method={type(self.method).__name__}")
 
 
-def parameter(*shape: int, dtype: torch.dtype, weight_loader=None) -> nn.Parameter:
+def parameter(*shape: int, dtype: torch.dtype, weight_loader=None, outputs_per_row: int | None = 1) -> nn.Parameter:
     """An empty parameter a method registers (frozen: srv never trains), with its
-    `weight_loader(rows, tensor)` where the checkpoint's tensor needs one."""
+    `weight_loader(rows, tensor)` where the checkpoint's tensor needs one, and how many output
+    features each of its rows holds (None: it is not indexed by output feature)."""
     param = nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
     if weight_loader is not None:
         param.weight_loader = weight_loader
+    if outputs_per_row != 1:
+        param.outputs_per_row = outputs_per_row
     return param
+
+
+def shard_rows(param: torch.Tensor, start: int, size: int) -> torch.Tensor:
+    """The rows of `param` that hold output features [start, start + size) of its layer (one
+    shard of a fused projection): the whole parameter where it is not indexed by output."""
+    per_row = getattr(param, "outputs_per_row", 1)
+    if per_row is None:
+        return param.data
+    if start % per_row or size % per_row:
+        raise ValueError(f"a shard of output features [{start}, {start + size}) splits rows that pack "
+                         f"{per_row} outputs each")
+    return param.data.narrow(0, start // per_row, size // per_row)
 
 
 def load_weight(name: str, param: torch.Tensor, rows: torch.Tensor, tensor: torch.Tensor) -> None:

@@ -18,7 +18,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from srv.sdk.attention import ForwardBatch
-from srv.sdk.linear import load_weight
+from srv.sdk.linear import load_weight, shard_rows
 from srv.sdk.models import ModelOutput
 from srv.sdk.native import NativeBuildError, NativeKernel, load_c_library
 
@@ -334,11 +334,11 @@ class LlamaForCausalLM(nn.Module):
 
     def _fused_shard(self, target: torch.Tensor, fused: str, shard: int, parent: str) -> torch.Tensor:
         if fused == "gate_up_proj":
-            size = target.shape[0] // 2
-            return target.data.narrow(0, shard * size, size)
+            size = self.get_submodule(f"{parent}.{fused}").out_features // 2
+            return shard_rows(target, shard * size, size)
         attention = self.get_submodule(parent)
         sizes = [attention.q_size, attention.kv_size, attention.kv_size]
-        return target.data.narrow(0, sum(sizes[:shard]), sizes[shard])
+        return shard_rows(target, sum(sizes[:shard]), sizes[shard])
 
 
 def adopt(name: str, param: nn.Parameter, tensor: torch.Tensor) -> None:

@@ -1,6 +1,7 @@
 """Built-in quantization plugins: `--quantization gguf` (a GGUF file's 4-bit and 8-bit blocks),
 `w8a8_int8` (int8 weights and activations, int32 accumulation), `fp8` and `w8a8_fp8` (float8
-weights, computed weight-only), all on srv's C kernels compiled on first use, and the GPU-only
+weights, computed weight-only), `gptq` and `awq` (int32-packed integer groups), all on srv's C
+kernels compiled on first use, and the GPU-only
 methods of SGLang's list, registered with what they need."""
 
 from srv.sdk import Availability, all_of, hookimpl, requires_c_compiler, requires_cpu_flags, requires_cuda
@@ -11,8 +12,6 @@ SRV_SDK_VERSION = ">=0.1,<0.2"
 # fp8 and fp4 GEMMs): selectable by name, refused with what they need.
 GPU_ONLY = {
     "marlin": "Marlin int4 GEMM kernels (CUDA, compute capability 8.0+)",
-    "gptq_marlin": "Marlin int4 GEMM kernels (CUDA, compute capability 8.0+)",
-    "awq_marlin": "Marlin int4 GEMM kernels (CUDA, compute capability 8.0+)",
     "modelopt": "NVIDIA ModelOpt fp8 kernels (CUDA, compute capability 8.9+)",
     "modelopt_fp4": "NVIDIA fp4 tensor cores (CUDA, compute capability 10.0+)",
     "petit_nvfp4": "Petit's nvfp4 kernels for AMD Instinct GPUs (ROCm, MI200 or MI300)",
@@ -50,6 +49,16 @@ def srv_register_quantization_methods(register):
              description="SGLang's w8a8_fp8 checkpoints (per-channel float8 weights), computed weight-only: "
                          "no CPU has float8 arithmetic, so activations stay in the served dtype",
              available=requires_c_compiler)
+    for name, factory in (("gptq", "GPTQQuantization"), ("awq", "AWQQuantization")):
+        what = {"gptq": "GPTQ (2, 4 and 8 bits, desc_act included) and compressed-tensors pack-quantized",
+                "awq": "AutoAWQ's 4-bit GEMM"}[name]
+        register(name, f"srv.plugins.quantization.packed_int:{factory}",
+                 description=f"{what} checkpoints, int32-packed groups; decode on gguf's Q4_1/Q8_0 AVX2 kernels, "
+                             "larger batches dequantized; float checkpoints quantized at load (4-bit groups)",
+                 available=requires_c_compiler, priority=3 if name == "gptq" else 0)
+        register(f"{name}_marlin", f"srv.plugins.quantization.packed_int:{factory}",
+                 description=f"SGLang's name for {name} on Marlin's CUDA kernels: here the same CPU code as {name}",
+                 available=requires_c_compiler)
     for name, what in GPU_ONLY.items():
         register(name, "srv.plugins.quantization.gpu_only:GPUOnlyQuantization",
                  description=f"SGLang's {name}: GPU kernels only",
