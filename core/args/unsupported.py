@@ -152,7 +152,6 @@ NOT_SUPPORTED_YET = frozenset({
     "--piecewise-cuda-graph-tokens",
     "--torch-compile-max-bs",
     "--piecewise-cuda-graph-max-tokens",
-    "--torchao-config",
     "--enable-nan-detection",
     "--enable-p2p-check",
     "--triton-attention-reduce-in-fp32",

@@ -68,6 +68,8 @@ class ModelRunner:
         if method is not None:
             method.check(str(path))
         self.dtype = served_dtype(args.dtype, method)
+        if method is not None:
+            method.served_dtype = self.dtype
         impl, self.model = self._build_model(method)
         loader.load(self.model, self.model_dir)
         if method is not None:
@@ -102,29 +104,29 @@ class ModelRunner:
         raise BackendUnavailable(f"no --load-format recognises {path} (installed: {names})")
 
     def _quantization(self, path: Path) -> QuantizationMethod | None:
-        """--quantization's method; unset, the one the checkpoint is in (the method its config
-        names in quantization_config, or one that detects its format, a GGUF file's blocks), so
-        a quantized checkpoint is served as it is; "none": the dequantized weights."""
+        """--quantization's method; unset, the one whose `detects` claims the launch (a flag of
+        its own, a GGUF file's blocks, a compressed-tensors config), else the method the
+        checkpoint's config names in quantization_config, so a quantized checkpoint is served as
+        it is; "none": the dequantized weights."""
         name = self.args.quantization
         if name == NONE:
             return None
         if name:
             self.quantization_name = name
             return self.registry.choose("quantization", name).create(self.args)
+        for registration in sorted(self.registry.registrations("quantization"), key=lambda r: -r.priority):
+            if registration.availability().ok:
+                method = registration.create(self.args)
+                if method.detects(str(path)):
+                    logger.info("quantization %s: the checkpoint's own format or the launch's flags "
+                                "(--quantization none dequantizes it)", registration.name)
+                    self.quantization_name = registration.name
+                    return method
         declared = (getattr(self.config, "quantization_config", None) or {}).get("quant_method")
         if declared in self.registry.names("quantization"):
             logger.info("quantization %s, as the checkpoint's config declares", declared)
             self.quantization_name = declared
             return self.registry.choose("quantization", declared).create(self.args)
-        # A container format (compressed-tensors) names no method: the methods' `detects` read it.
-        for registration in sorted(self.registry.registrations("quantization"), key=lambda r: -r.priority):
-            if registration.availability().ok:
-                method = registration.create(self.args)
-                if method.detects(str(path)):
-                    logger.info("quantization %s: the checkpoint's own format (--quantization none dequantizes it)",
-                                registration.name)
-                    self.quantization_name = registration.name
-                    return method
         if declared:
             logger.warning("the checkpoint declares quantization %r, which no installed plugin provides", declared)
         return None

@@ -46,6 +46,8 @@ class QuantizationMethod(ABC):
     # (bf16 where the CPU computes it natively, float32 elsewhere). A method whose kernels take
     # float32 activations names float32, so no product converts its input and output.
     activation_dtype: Any = None
+    # The dtype the model is served in, set by srv before `prepare`.
+    served_dtype: Any = None
 
     def __init__(self, server_args: Any = None) -> None:
         self.server_args = server_args
@@ -54,9 +56,10 @@ class QuantizationMethod(ABC):
         """Raise ValueError if this method cannot serve the model at `model_path` (optional)."""
 
     def detects(self, model_path: str) -> bool:
-        """Whether the checkpoint at `model_path` is in this method's format, so that srv serves
-        it this way when `--quantization` is unset (a checkpoint whose config.json names its
-        method in quantization_config gets that method without asking). Optional."""
+        """Whether the checkpoint at `model_path` is in this method's format (or the launch's
+        flags, `self.server_args`, ask for this method), so that srv serves it this way when
+        `--quantization` is unset. Asked in order of priority, before a checkpoint whose
+        config.json names its method in quantization_config gets that method. Optional."""
         return False
 
     def linear_method(self, name: str, layer: nn.Linear) -> LinearMethod | None:

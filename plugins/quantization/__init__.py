@@ -59,6 +59,10 @@ def srv_register_quantization_methods(register):
         register(f"{name}_marlin", f"srv.plugins.quantization.packed_int:{factory}",
                  description=f"SGLang's name for {name} on Marlin's CUDA kernels: here the same CPU code as {name}",
                  available=requires_c_compiler)
+    register("torchao", "srv.plugins.quantization.torchao_configs:TorchAOQuantization",
+             description="--torchao-config int8wo, int8dq, int4wo-<group>, fp8wo: torchao's CPU kernels on a float "
+                         "checkpoint quantized at load (chosen by the flag)",
+             priority=100)   # no availability check: with the flag set, a missing torchao must fail loudly
     for name, what in GPU_ONLY.items():
         register(name, "srv.plugins.quantization.gpu_only:GPUOnlyQuantization",
                  description=f"SGLang's {name}: GPU kernels only",
