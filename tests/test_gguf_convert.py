@@ -241,14 +241,37 @@ def byte_level_alphabet() -> list[str]:
     return [chr(b if b in keep else next(extra)) for b in range(256)]
 
 
+# Where the float16 scales of a block lie, and how large its integer part gets (|w| <= scale * this),
+# for the types gguf-py cannot quantize: random_blocks writes them.
+F16_FIELDS = {"Q2_K": ((80, 82), 45), "Q3_K": ((108,), 128), "Q4_K": ((0, 2), 945), "Q5_K": ((0, 2), 1953),
+              "Q6_K": ((208,), 4064), "IQ4_NL": ((0,), 127)}
+
+
+def random_blocks(kind: str, rows: int, columns: int, rng, largest: float = 0.3):
+    """Random bytes in `kind`'s blocks, their float16 scales set so that weights stay within
+    about `largest` (no infinities or NaNs)."""
+    import numpy as np
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    values, size = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
+    raw = rng.integers(0, 256, (rows, columns // values, size), dtype=np.uint8)
+    positions, magnitude = F16_FIELDS[kind]
+    for position in positions:
+        scale = rng.uniform(0.5, 1.0, raw.shape[:2]) * rng.choice([-1, 1], raw.shape[:2]) * largest / magnitude
+        raw[..., position:position + 2] = scale.astype(np.float16).view(np.uint8).reshape(*raw.shape[:2], 2)
+    return raw.reshape(rows, -1)
+
+
 def write_tiny_gguf(path: Path, arch: str, head_dim: int, bias: bool = False, qk_norm: bool = False,
-                    untied: bool = True, down_type: str = "Q8_0") -> None:
+                    untied: bool = True, down_type: str = "Q8_0", types: dict[str, str] | None = None,
+                    hidden: int = 64, ffn: int = 128) -> None:
+    """`types`: block types of other tensors (attn_q, ffn_gate, output, ...) than the defaults."""
     import gguf
     import numpy as np
     from gguf import GGMLQuantizationType as Q
 
     rng = np.random.default_rng(0)
-    hidden, heads, kv_heads, layers, ffn = 64, 4, 2, 2, 128
+    heads, kv_heads, layers = 4, 2, 2
     tokens = byte_level_alphabet() + ["Ġt", "he", "Ġthe", "in", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     vocab = len(tokens)
     w = gguf.GGUFWriter(str(path), arch)
@@ -276,11 +299,15 @@ def write_tiny_gguf(path: Path, arch: str, head_dim: int, bias: bool = False, qk
                         "{% endfor %}")
 
     def tensor(name: str, shape: tuple[int, ...], kind=Q.F32) -> None:
+        parts = name.split(".")
+        kind = Q[(types or {}).get(parts[2] if parts[0] == "blk" else parts[0], kind.name)]
         data = (rng.standard_normal(shape) * 0.1).astype(np.float32)
         if kind == Q.F32:
             w.add_tensor(name, data)
         elif kind == Q.F16:
             w.add_tensor(name, data.astype(np.float16))
+        elif kind.name in F16_FIELDS:
+            w.add_tensor(name, random_blocks(kind.name, *shape, rng), raw_dtype=kind)
         else:
             w.add_tensor(name, gguf.quants.quantize(data, kind), raw_dtype=kind)
 

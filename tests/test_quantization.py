@@ -218,43 +218,99 @@ def test_gguf_quantization_refuses_a_model_that_is_not_gguf(tiny_models):
         srv.Engine(model_path=str(tiny_models["llama"]), quantization="gguf")
 
 
-def test_recovered_weights_are_cached_per_file_and_layers(tmp_path, monkeypatch):
+def test_unpacked_weights_are_cached_per_file_and_layers(tmp_path, monkeypatch):
+    from test_gguf_convert import write_tiny_gguf
+
     monkeypatch.setenv("SRV_CACHE_DIR", str(tmp_path / "cache"))
-    model_file = tmp_path / "model.gguf"
-    model_file.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 0))   # a header with no tensors
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, "llama", 32)
+    unpacked = []
+    real = GGUFQuantization._file_weights
+    monkeypatch.setattr(GGUFQuantization, "_file_weights",
+                        lambda self, *args: unpacked.append(1) or real(self, *args))
 
-    def model(shapes: list[tuple[int, int]]) -> nn.Module:
-        layers = nn.Sequential(*(nn.Linear(k, n, bias=False) for n, k in shapes), nn.Linear(64, 64))
-        with torch.no_grad():
-            for i, layer in enumerate(layers[:-1]):
-                layer.weight.copy_(weight("Q4_1" if i % 2 == 0 else "Q8_0", *layer.weight.shape, seed=i))
-        return layers
+    def kernels_of(flags=None):
+        with srv.Engine(model_path=str(path), dtype="float32", max_total_tokens=256, **(flags or {})) as engine:
+            return {name: m.weight for name, m in engine.runner.model.named_modules() if isinstance(m, GGUFLinear)}
 
-    def quantize(layers: nn.Module) -> dict[str, GGUFLinear | nn.Linear]:
-        method = GGUFQuantization()
-        method.check(str(model_file))
-        assert method.apply(layers) == 2
-        return dict(layers.named_children())
-
-    first = quantize(model([(96, 128), (32, 64)]))
-    recovered = []
-    real = srv.plugins.quantization.gguf.quantized_weight
-    monkeypatch.setattr("srv.plugins.quantization.gguf.quantized_weight", lambda w: recovered.append(w) or real(w))
-    second = quantize(model([(96, 128), (32, 64)]))
-    assert recovered == [], "the second launch recovered the blocks again instead of reading the cache"
-    for name in ("0", "1"):
-        assert type(second[name].weight) is type(first[name].weight)
-        for field, tensor in first[name].weight.tensors().items():
-            assert torch.equal(second[name].weight.tensors()[field], tensor), (name, field)
-    assert isinstance(second["2"], nn.Linear)
-
-    quantize(model([(96, 128), (64, 64)]))     # other layers: another entry
-    model_file.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 0) + b"rewritten")  # another file: another entry
-    quantize(model([(96, 128), (32, 64)]))
-    assert len(recovered) == 6
+    first = kernels_of()
+    second = kernels_of()
+    assert unpacked == [1], "the second launch unpacked the blocks again instead of reading the cache"
+    assert first.keys() == second.keys() and first
+    for name, weight in first.items():
+        assert type(second[name]) is type(weight)
+        for field, tensor in weight.tensors().items():
+            assert torch.equal(second[name].tensors()[field], tensor), (name, field)
+    path.write_bytes(path.read_bytes())   # the same bytes, a new modification time: another entry
+    kernels_of()
+    assert len(unpacked) == 2
 
 
-@pytest.mark.parametrize("down_type", ["Q4_0", "Q5_1"])
+# Every block type srv unpacks, in the projections of a tiny Llama (K-quants need 256 inputs),
+# the query and value projections of different layouts so that the fused layer mixes them.
+MIXED_TYPES = [
+    {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q5_K", "ffn_gate": "Q2_K",
+     "ffn_up": "Q3_K", "ffn_down": "Q6_K", "output": "Q4_K"},
+    {"attn_q": "Q4_0", "attn_k": "Q4_1", "attn_v": "Q4_0", "attn_output": "Q5_0", "ffn_gate": "Q5_1",
+     "ffn_up": "Q5_1", "ffn_down": "Q8_0", "output": "Q6_K"},
+]
+
+
+@pytest.mark.parametrize("types", MIXED_TYPES, ids=["k-quants", "legacy"])
+def test_every_block_type_is_read_from_the_file_and_matches_transformers(tmp_path, types):
+    """Each layer's kernel weights rebuild gguf's own dequantized values exactly (the loader's
+    dense copy), and greedy decoding matches transformers' GGUF loader on the same file."""
+    from test_gguf_convert import reference_model, write_tiny_gguf
+
+    from srv.sdk.testing.tiny_model import hf_greedy
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, "llama", 64, types=types, hidden=256, ffn=512)
+    prompts = [[5, 6, 7, 8, 9], [100, 200, 30]]
+    with srv.Engine(model_path=str(path), quantization="gguf", dtype="float32", max_total_tokens=1024) as engine:
+        layers = {name: m for name, m in engine.runner.model.named_modules() if isinstance(m, GGUFLinear)}
+        assert len(layers) == 2 * 4 + 1, sorted(layers)
+        for name, layer in layers.items():
+            assert torch.equal(dequantized(layer.weight), layer.dense.weight.float()), name
+        results = engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": 6, "temperature": 0,
+                                                                      "ignore_eos": True})
+    reference = reference_model(path).eval()
+    assert [r["output_ids"] for r in results] == [hf_greedy(reference, p, 6) for p in prompts]
+
+
+def dequantized(weight) -> torch.Tensor:
+    """A kernel layout's weights as floats: w = scale * q (+ min), by the same one rounding."""
+    x = torch.eye(weight.in_features)
+    columns = [weight.matmul(x[i:i + 1]) for i in range(weight.in_features)]   # one-hot rows: exact
+    return torch.cat(columns).t()
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
+def test_each_block_type_unpacks_to_ggufs_own_dequantized_values(kind):
+    import gguf
+    import numpy as np
+    from test_gguf_convert import random_blocks
+
+    from srv.plugins.quantization import gguf_blocks
+
+    rng = np.random.default_rng(0)
+    rows, columns = 24, 512
+    if kind in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"):
+        data = (rng.standard_normal((rows, columns)) * 0.1).astype(np.float32)
+        raw = gguf.quants.quantize(data, gguf.GGMLQuantizationType[kind])
+    else:
+        raw = random_blocks(kind, rows, columns, rng)
+    expected = torch.from_numpy(np.asarray(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[kind]),
+                                           dtype=np.float32).reshape(rows, columns))
+    assert torch.equal(gguf_blocks.dequantized(*gguf_blocks.unpacked(kind, raw, rows)), expected)
+    weight = gguf_blocks.layer_weight([(kind, raw, rows)])
+    for m in (1, 3, 5, 40):
+        x = torch.randn(m, columns)
+        torch.testing.assert_close(weight.matmul(x), (x.double() @ expected.double().t()).float(), rtol=1e-5,
+                                   atol=1e-4)
+
+
+@pytest.mark.parametrize("down_type", ["IQ4_NL"])
 def test_a_block_type_without_kernel_is_refused_by_name_or_served_dequantized(tmp_path, caplog, down_type):
     """A file whose linear layers hold blocks srv has no kernel for: `--quantization gguf` refuses
     it naming the type; inferred, the file is served dequantized, with a warning that says so."""
@@ -263,8 +319,8 @@ def test_a_block_type_without_kernel_is_refused_by_name_or_served_dequantized(tm
     path = tmp_path / "tiny.gguf"
     write_tiny_gguf(path, "llama", 32, down_type=down_type)
     with pytest.raises(ValueError, match=rf"--quantization gguf: tiny.gguf has {down_type} blocks \(2 tensors, "
-                                         rf"blk.0.ffn_down.weight is {down_type}\); srv's kernels compute Q4_1 and "
-                                         "Q8_0; --quantization none serves it dequantized"):
+                                         rf"blk.0.ffn_down.weight is {down_type}\); srv's kernels compute Q4_0, "
+                                         ".*; --quantization none serves it dequantized"):
         srv.Engine(model_path=str(path), quantization="gguf")
     with srv.Engine(model_path=str(path), dtype="float32", max_total_tokens=1024) as engine:
         assert not any(isinstance(m, GGUFLinear) for m in engine.runner.model.modules())

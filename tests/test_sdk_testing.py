@@ -3,6 +3,8 @@ ones; the pytest plugin's fixtures run the tiny model; the kits import only the 
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import ast
 import dataclasses
 import random
@@ -141,8 +143,22 @@ class TestGPTQ(QuantizationMethodKit):
     relative_tolerance = 1.5e-1   # 4 bits keep about 1 part in 10 of a group's range
 
 
+class TestGPTQMarlin(TestGPTQ):
+    backend_name = "gptq_marlin"
+
+
+class TestAWQ(TestGPTQ):
+    backend_name = "awq"
+
+
 class TestAWQMarlin(TestGPTQ):
     backend_name = "awq_marlin"
+
+
+class TestTorchAOInt8DQ(QuantizationMethodKit):
+    backend_name = "torchao"
+    server_args = SimpleNamespace(torchao_config="int8dq")
+    relative_tolerance = 3e-2   # int8 activations as well as weights
 
 
 class TestGGUFQuantizationQ4_1(QuantizationMethodKit):

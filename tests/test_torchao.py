@@ -31,7 +31,7 @@ def test_the_flag_chooses_the_method_and_quantizes_all_but_the_head(tiny_models,
         assert engine.runner.quantization_name == "torchao"
         model = engine.runner.model
         assert type(model.layers[0].mlp.down_proj.weight.data).__name__ == "Int8Tensor"
-        assert type(model.lm_head.weight.data) is not type(model.layers[0].mlp.down_proj.weight.data)
+        assert type(model.lm_head.weight.data).__name__ != "Int8Tensor"
         result = engine.generate(input_ids=[[5, 6, 7]], sampling_params={"max_new_tokens": 4, "temperature": 0,
                                                                          "ignore_eos": True})
     assert len(result[0]["output_ids"]) == 4

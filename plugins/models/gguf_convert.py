@@ -239,6 +239,32 @@ def _hf_name(gguf_name: str) -> str | None:
     raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face counterpart")
 
 
+def hf_row_order(gguf_name: str, rows: Any, arch: str, config: dict[str, Any]) -> Any:
+    """A GGUF tensor's rows (an array, first dimension the outputs: floats, or the bytes of each
+    row's blocks) in Hugging Face's order: llama.cpp stores Llama's query and key projections
+    with each head's rotary pairs interleaved, which transformers' GGUF loader undoes into two
+    halves (biases too)."""
+    kind = gguf_name.split(".")[2] if gguf_name.startswith("blk.") else ""
+    if arch != "llama" or kind not in ("attn_q", "attn_k"):
+        return rows
+    heads = config["num_attention_heads"] if kind == "attn_q" else config["num_key_value_heads"]
+    shape = rows.shape
+    return rows.reshape(heads, shape[0] // heads // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+
+
+def hf_names(gguf_names: Any) -> dict[str, str]:
+    """Hugging Face name -> GGUF name, for the tensors that have one."""
+    names = {}
+    for gguf_name in gguf_names:
+        try:
+            hf = _hf_name(gguf_name)
+        except ValueError:
+            continue
+        if hf is not None:
+            names[hf] = gguf_name
+    return names
+
+
 def _write_weights(reader: Any, config: dict[str, Any], arch: str, target: pathlib.Path) -> None:
     import numpy as np
     import torch
@@ -253,12 +279,7 @@ def _write_weights(reader: Any, config: dict[str, Any], arch: str, target: pathl
             continue
         shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists dimensions innermost first
         weights = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(shape)
-        kind = tensor.name.split(".")[2] if tensor.name.startswith("blk.") else ""
-        if arch == "llama" and kind in ("attn_q", "attn_k"):
-            # Undo llama.cpp's rotary permutation (per head: interleaved pairs -> two halves),
-            # as transformers' GGUF loader does; it applies to biases as well.
-            heads = config["num_attention_heads"] if kind == "attn_q" else config["num_key_value_heads"]
-            weights = weights.reshape(heads, shape[0] // heads // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+        weights = hf_row_order(tensor.name, weights, arch, config)
         if not (weights.flags.writeable and weights.flags.c_contiguous):
             weights = weights.copy()
         tensors[name] = torch.from_numpy(weights)

@@ -199,6 +199,8 @@ class LlamaForCausalLM(nn.Module):
     # HF checkpoint names of the projections srv stores fused: (fused name, shard index).
     FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
              "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+    # The same, as SGLang and vLLM name it for quantization methods: fused layer -> its shards.
+    packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 
     def __init__(self, config: Any) -> None:
         super().__init__()

@@ -45,11 +45,10 @@ def can_pack(dtype: torch.dtype) -> bool:
 
 
 def pack_linear_layers(model: nn.Module) -> None:
-    """Swap every float32 or bf16 nn.Linear for a PackedLinear (not those whose weight is a
-    tensor subclass computing its own products: torchao's quantized tensors)."""
+    """Swap every float32 or bf16 nn.Linear for a PackedLinear."""
     if not can_pack(next(model.parameters()).dtype):
         return
     for name, module in list(model.named_modules()):
-        if isinstance(module, nn.Linear) and type(module.weight.data) is torch.Tensor:
+        if isinstance(module, nn.Linear):
             parent, _, leaf = name.rpartition(".")
             setattr(model.get_submodule(parent), leaf, PackedLinear(module.weight, module.bias))

@@ -1,20 +1,25 @@
-"""`--quantization gguf`: serve a GGUF file's 4-bit and 8-bit weights as they are in the file.
+"""`--quantization gguf`: serve a GGUF file's quantized weights as they are in the file.
 
-The GGUF loader hands the model float weights dequantized from the file. Each linear layer's
-weights are checked block by block (32 values, as in the file) against the two formats srv's
-kernels compute, and stored again in that format:
+Each linear layer's blocks are read from the file itself (gguf_blocks.py unpacks every GGML
+type llama.cpp uses for these models: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K) into one of
+the three layouts srv's kernels compute, exactly (the weights they rebuild are gguf's own
+dequantized values):
 
-- Q4_1: w = d * q + m, q in 0..15: 6 bits a weight with srv's float32 d and m.
-- Q8_0: w = d * q, q in -127..127: 9 bits a weight.
+- Q4_1: w = d * q + m, q in 0..15 per 32 inputs, float32 d and m (6 bits a weight);
+- Q8_0: w = d * q, q in -127..127 per 32 inputs (9 bits a weight);
+- Q8_16: w = d * q + m, q int8 per 16 inputs (12 bits a weight): the 5-, 6-, 3- and 2-bit types.
 
-The file's own tensor types decide what is served: a file whose linear layers (the projections,
-and the head) hold another block type (Q4_0, Q5_K, Q6_K...) is refused by `--quantization gguf`,
-naming the tensors and their types, and is served dequantized (with a warning saying so) when
-the method is inferred; float tensors (F32, F16, BF16) stay dense. Batches under DENSE_FROM_*_ROWS rows
-(decode) go to the C kernels of gguf_kernels.c, which read the quantized bytes once for all
-rows and multiply them into float32 activations: those products are bound by the bytes read.
-Larger batches are bound by arithmetic, where the served dtype's dense kernels are faster, so
-the layer keeps the loader's dense copy for them.
+A file whose linear layers (the projections, and the head) hold another block type (the IQ
+types, ternary TQ) is refused by `--quantization gguf`, naming the tensors and their types,
+and is served dequantized (with a warning saying so) when the method is inferred; float
+tensors (F32, F16, BF16) stay dense. Batches under DENSE_FROM_*_ROWS rows (decode) go to the C
+kernels of gguf_kernels.c, which read the quantized bytes once for all rows and multiply them
+into float32 activations: those products are bound by the bytes read. Larger batches are
+bound by arithmetic, where the served dtype's dense kernels are faster, so the layer keeps the
+loader's dense copy for them.
+
+Without a file (the SDK's conformance kit hands float weights), the Q4_1 and Q8_0 blocks are
+recovered from the float weights instead, block by block.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import functools
 import hashlib
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -54,7 +60,7 @@ ROWS_PER_SLICE = 1024
 # Recovered blocks must rebuild the file's values to float32 rounding.
 TOLERANCE = 1e-6
 KERNEL_FLAGS = ("-mavx2", "-mfma")
-CACHE_VERSION = 1  # bump when what is cached changes: the layouts above, or how blocks are recovered
+CACHE_VERSION = 2  # bump when what is cached changes: the layouts above, or how blocks are read
 
 
 @functools.cache
@@ -78,9 +84,10 @@ class BlockWeight:
     FORMAT: str
     FORMAT_ID: int   # the format in gguf_kernels.c's LinearContext
     FIELDS: tuple[str, ...]
+    BLOCK = GROUP    # inputs a scale
 
     def __init__(self, data: torch.Tensor, scale: torch.Tensor, min: torch.Tensor | None = None) -> None:
-        self.out_features, self.in_features = scale.shape[0], scale.shape[1] * GROUP
+        self.out_features, self.in_features = scale.shape[0], scale.shape[1] * self.BLOCK
         self.context = LinearContext(self.FORMAT_ID, self.in_features, self.out_features, data.data_ptr(),
                                      scale.data_ptr(), None if min is None else min.data_ptr())
         self.kernel = NativeKernel.of(kernels().srv_gguf_linear, self.context)
@@ -139,7 +146,19 @@ class Q8_0Weight(BlockWeight):
         return cls(values, scale.float().contiguous())
 
 
-FORMATS = {fmt.FORMAT: fmt for fmt in (Q4_1Weight, Q8_0Weight)}
+class Q8_16Weight(BlockWeight):
+    """values [N, K] int8 in order, scale and min [N, K / 16] float32: w = scale * q + min in
+    blocks of 16, what GGUF's 5-, 6-, 3- and 2-bit types unpack to."""
+
+    FORMAT, FIELDS = "q8_16", ("values", "scale", "min")
+    FORMAT_ID, BLOCK = 2, 16
+
+    def __init__(self, values: torch.Tensor, scale: torch.Tensor, min: torch.Tensor) -> None:
+        self.values, self.scale, self.min = values, scale, min
+        super().__init__(values, scale, min)
+
+
+FORMATS = {fmt.FORMAT: fmt for fmt in (Q4_1Weight, Q8_0Weight, Q8_16Weight)}
 
 
 def concatenate(parts: list[BlockWeight]) -> BlockWeight:
@@ -228,7 +247,10 @@ def quantized_weight(weight: torch.Tensor) -> BlockWeight | None:
 
 
 # Block types srv's kernels compute, and float types, which stay dense.
-KERNEL_TYPES = ("Q4_1", "Q8_0")
+# Bytes and values a block, by the types gguf_blocks.py unpacks.
+BLOCKS = {"Q4_0": (18, 32), "Q4_1": (20, 32), "Q8_0": (34, 32), "Q5_0": (22, 32), "Q5_1": (24, 32),
+          "Q2_K": (84, 256), "Q3_K": (110, 256), "Q4_K": (144, 256), "Q5_K": (176, 256), "Q6_K": (210, 256)}
+KERNEL_TYPES = tuple(BLOCKS)
 FLOAT_TYPES = ("F32", "F16", "BF16")
 LINEAR_TENSORS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
@@ -252,20 +274,34 @@ def types_without_kernel(path: Path) -> dict[str, str]:
 _VALUE_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 8: None, 9: None, 10: 8, 11: 8, 12: 8}
 
 
+@dataclass
+class TensorInfo:
+    """One tensor of a GGUF file, from its header: block type, dimensions (innermost first, as
+    the file lists them) and where its bytes start in the file."""
+    kind: str
+    dims: tuple[int, ...]
+    start: int
+
+
 def tensor_types(path: Path) -> dict[str, str]:
-    """Each tensor's block type, read from the file's header alone: gguf's GGUFReader parses the
-    whole tokenizer into Python objects first, seconds of every launch."""
+    """Each tensor's block type, read from the file's header alone."""
+    return {name: info.kind for name, info in tensor_infos(path).items()}
+
+
+def tensor_infos(path: Path) -> dict[str, TensorInfo]:
+    """Each tensor's type, dimensions and offset, read from the file's header alone: gguf's
+    GGUFReader parses the whole tokenizer into Python objects first, seconds of every launch."""
     import mmap
     import struct
 
     try:
         with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
-            return _header_tensor_types(data)
+            return _header_tensor_infos(data)
     except (struct.error, UnicodeDecodeError, KeyError, ValueError) as exc:
         raise ValueError(f"{path}: not a readable GGUF header ({exc})") from None
 
 
-def _header_tensor_types(data: bytes) -> dict[str, str]:
+def _header_tensor_infos(data: bytes) -> dict[str, TensorInfo]:
     import struct
 
     from gguf import GGMLQuantizationType
@@ -290,35 +326,45 @@ def _header_tensor_types(data: bytes) -> dict[str, str]:
         else:
             offset += _VALUE_SIZES[kind]
 
+    alignment = 32   # general.alignment's default
     for _ in range(n_kv):
-        offset += 8 + struct.unpack_from("<Q", data, offset)[0]   # the key
+        length = struct.unpack_from("<Q", data, offset)[0]
+        key = data[offset + 8:offset + 8 + length]
+        offset += 8 + length
         kind = struct.unpack_from("<I", data, offset)[0]
         offset += 4
+        if key == b"general.alignment" and kind == 4:
+            alignment = struct.unpack_from("<I", data, offset)[0]
         skip_value(kind)
-    types = {}
+    infos = {}
     for _ in range(n_tensors):
         length = struct.unpack_from("<Q", data, offset)[0]
         name = data[offset + 8:offset + 8 + length].decode()
         offset += 8 + length
         dims = struct.unpack_from("<I", data, offset)[0]
+        shape = struct.unpack_from(f"<{dims}Q", data, offset + 4)
         offset += 4 + 8 * dims
-        types[name] = GGMLQuantizationType(struct.unpack_from("<I", data, offset)[0]).name
+        kind, start = struct.unpack_from("<IQ", data, offset)
+        infos[name] = TensorInfo(GGMLQuantizationType(kind).name, tuple(shape), start)
         offset += 4 + 8
-    return types
+    data_start = -(-offset // alignment) * alignment
+    for info in infos.values():
+        info.start += data_start
+    return infos
 
 
 def describe(missing: dict[str, str]) -> str:
     kinds = sorted(set(missing.values()))
     first = next(iter(missing))
     return (f"{', '.join(kinds)} blocks ({len(missing)} tensors, {first} is "
-            f"{missing[first]}); srv's kernels compute {' and '.join(KERNEL_TYPES)}")
+            f"{missing[first]}); srv's kernels compute {', '.join(KERNEL_TYPES)}")
 
 
 class GGUFQuantization(QuantizationMethod):
-    """Recovering the blocks from float weights costs about a second of CPU at every launch, so
-    the recovered weights are cached (`gguf-weights` in srv's cache root), keyed by the GGUF
-    file (path, size, modification time), the model's linear layers and CACHE_VERSION. Without
-    a file (`check` not called) nothing is cached."""
+    """Unpacking the file's blocks costs CPU at every launch, so the unpacked weights are cached
+    (`gguf-weights` in srv's cache root), keyed by the GGUF file (path, size, modification
+    time), the model's linear layers and CACHE_VERSION. Without a file (`check` not called)
+    nothing is cached."""
 
     model_file: Path | None = None
 
@@ -343,26 +389,65 @@ class GGUFQuantization(QuantizationMethod):
 
     def apply(self, model: nn.Module) -> int:
         linears = {name: module for name, module in model.named_modules() if isinstance(module, nn.Linear)}
-        self.recovered = self._cached_weights(linears)
+        self.recovered = self._cached_weights(linears, getattr(model, "packed_modules_mapping", {}))
         return super().apply(model)
+
+    def _file_weights(self, linears: dict[str, nn.Linear],
+                      mapping: dict[str, list[str]]) -> dict[str, BlockWeight | None]:
+        """Each linear layer's blocks read from the file (its shards' tensors, in Hugging Face's
+        row order), or None where one is float or has no kernel."""
+        import numpy as np
+
+        from srv.plugins.models.gguf_convert import hf_names, hf_row_order
+        from srv.plugins.quantization.gguf_blocks import layer_weight
+
+        infos = tensor_infos(self.model_file)
+        names = hf_names(infos)
+        config = self.model_config.to_dict() if hasattr(self.model_config, "to_dict") else dict(self.model_config or {})
+        arch = config.get("model_type", "")
+        data = np.memmap(self.model_file, dtype=np.uint8, mode="r")
+        weights: dict[str, BlockWeight | None] = {}
+        for name, linear in linears.items():
+            parent, _, leaf = name.rpartition(".")
+            parts = []
+            for shard in mapping.get(leaf, [leaf]):
+                module = f"{parent}.{shard}" if parent else shard
+                gguf_name = names.get(f"{module}.weight") or names.get(f"model.{module}.weight")
+                if gguf_name is None and shard == "lm_head":   # tied: the token embeddings
+                    gguf_name = names.get("model.embed_tokens.weight")
+                info = None if gguf_name is None else infos[gguf_name]
+                if info is None or info.kind not in BLOCKS:
+                    parts = []
+                    break
+                columns, rows = info.dims
+                size, values = BLOCKS[info.kind]
+                raw = data[info.start:info.start + rows * columns // values * size].reshape(rows, -1)
+                parts.append((info.kind, hf_row_order(gguf_name, raw, arch, config), rows))
+            weight = layer_weight(parts) if parts else None
+            if weight is not None and (weight.out_features, weight.in_features) != tuple(linear.weight.shape):
+                raise ValueError(f"{self.model_file.name}: the blocks of {name} make [{weight.out_features}, "
+                                 f"{weight.in_features}], the model's layer is {list(linear.weight.shape)}")
+            weights[name] = weight
+        return weights
 
     def quantize(self, name: str, linear: nn.Linear) -> nn.Module | None:
         weight = self.recovered[name] if name in self.recovered else quantized_weight(linear.weight.detach())
         return None if weight is None else GGUFLinear(weight, linear)
 
-    def _cached_weights(self, linears: dict[str, nn.Linear]) -> dict[str, BlockWeight | None]:
-        path = None if self.model_file is None else self._cache_path(linears)
-        if path is not None:
-            try:
-                return read_weights(path)
-            except (OSError, SafetensorError, KeyError, ValueError):
-                pass
-        weights = {name: quantized_weight(linear.weight.detach()) for name, linear in linears.items()}
-        if path is not None:
-            try:
-                write_weights(path, weights)
-            except OSError as exc:  # a read-only cache costs the next launch a second, nothing more
-                logger.warning("could not cache the recovered GGUF weights in %s: %s", path, exc)
+    def _cached_weights(self, linears: dict[str, nn.Linear],
+                        mapping: dict[str, list[str]]) -> dict[str, BlockWeight | None]:
+        if self.model_file is None:   # weights without a file (srv.sdk.testing's kit): recovered
+            return {name: quantized_weight(linear.weight.detach()) for name, linear in linears.items()}
+        path = self._cache_path(linears)
+        try:
+            return read_weights(path)
+        except (OSError, SafetensorError, KeyError, ValueError):
+            pass
+        weights = self._file_weights(linears, mapping)
+        try:
+            write_weights(path, weights)
+        except OSError as exc:  # a read-only cache costs the next launch a second, nothing more
+            logger.warning("could not cache the GGUF weights in %s: %s", path, exc)
         return weights
 
     def _cache_path(self, linears: dict[str, nn.Linear]) -> Path:

@@ -1,4 +1,4 @@
-/* Products of float32 activations with GGUF Q4_1 and Q8_0 weights, for a few rows at a time.
+/* Products of float32 activations with GGUF-derived block weights, for a few rows at a time.
  *
  * Each weight row is read once and widened to float32 once for all M activation rows, so
  * decode is bound by the quantized bytes (6 or 9 bits a weight) rather than by float32 or bf16
@@ -9,6 +9,8 @@
  *         half empty when B is odd;
  *         scale [N][B], min [N][B]: w = scale * q + min.
  *   Q8_0: values [N][B][32] int8 (see q8_0_block); scale [N][B]: w = scale * q.
+ *   Q8_16: values [N][K] int8 in order; scale [N][K / 16], min [N][K / 16]: w = scale * q + min,
+ *          in blocks of 16 (what the 5-, 6-, 3- and 2-bit GGUF types unpack to, exactly).
  * Activations x [M][K] and outputs y [M][N] are row-major float32.
  *
  * Threads: OpenMP, in the runtime the host process already loaded (torch's), so the kernels
@@ -54,6 +56,13 @@ static inline void q8_0_block(const int8_t *values, __m256 w[4]) {
     w[3] = _mm256_cvtepi32_ps(_mm256_srai_epi32(packed, 24));
 }
 
+/* Q8_16 weights, 16 bytes a block in order. */
+static inline void q8_16_block(const int8_t *values, __m256 w[2]) {
+    const __m128i packed = _mm_loadu_si128((const __m128i *)values);
+    w[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(packed));
+    w[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(packed, 8)));
+}
+
 static inline __m256 dot_block(const __m256 w[4], const float *x) {
     __m256 s = _mm256_mul_ps(w[0], _mm256_loadu_ps(x));
     s = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(x + 8), s);
@@ -61,14 +70,15 @@ static inline __m256 dot_block(const __m256 w[4], const float *x) {
     return _mm256_fmadd_ps(w[3], _mm256_loadu_ps(x + 24), s);
 }
 
-/* Per-block sums of x [M][K]: the Q4_1 min term is min * sum(x over the block). */
-static void block_sums(const float *x, int64_t m, int64_t k, float *sums) {
-    const int64_t blocks = k / GROUP;
+/* Per-block sums of x [M][K] (blocks of `size`, 16 or 32): the min term is min * sum(x over the
+ * block). */
+static void block_sums(const float *x, int64_t m, int64_t k, int64_t size, float *sums) {
+    const int64_t blocks = k / size;
     for (int64_t r = 0; r < m; r++)
         for (int64_t b = 0; b < blocks; b++) {
-            const float *xb = x + r * k + b * GROUP;
-            __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(xb), _mm256_loadu_ps(xb + 8)),
-                                     _mm256_add_ps(_mm256_loadu_ps(xb + 16), _mm256_loadu_ps(xb + 24)));
+            const float *xb = x + r * k + b * size;
+            __m256 s = _mm256_add_ps(_mm256_loadu_ps(xb), _mm256_loadu_ps(xb + 8));
+            if (size == 32) s = _mm256_add_ps(s, _mm256_add_ps(_mm256_loadu_ps(xb + 16), _mm256_loadu_ps(xb + 24)));
             sums[r * blocks + b] = hsum(s);
         }
 }
@@ -129,6 +139,30 @@ INLINE void q8_0_row(const float *x, int64_t k, const int8_t *values, const floa
     for (int r = 0; r < rows; r++) y[r * n] = hsum(_mm256_add_ps(even[r], odd[r]));
 }
 
+INLINE void q8_16_row(const float *x, int64_t k, const int8_t *values, const float *scale, const float *min,
+                      const float *sums, float *y, int64_t n, const int rows) {
+    const int64_t blocks = k / 16;
+    __m256 even[FEW_ROWS], odd[FEW_ROWS];
+    float offset[FEW_ROWS];
+    for (int r = 0; r < rows; r++) {
+        even[r] = odd[r] = _mm256_setzero_ps();
+        offset[r] = 0.0f;
+    }
+    for (int64_t b = 0; b < blocks; b++) {
+        __m256 w[2];
+        q8_16_block(values + b * 16, w);
+        const __m256 d = _mm256_set1_ps(scale[b]);
+        for (int r = 0; r < rows; r++) {
+            const float *xr = x + r * k + b * 16;
+            const __m256 dot = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xr + 8), _mm256_mul_ps(w[0], _mm256_loadu_ps(xr)));
+            if (b & 1) odd[r] = _mm256_fmadd_ps(d, dot, odd[r]);
+            else even[r] = _mm256_fmadd_ps(d, dot, even[r]);
+            offset[r] += min[b] * sums[r * blocks + b];
+        }
+    }
+    for (int r = 0; r < rows; r++) y[r * n] = hsum(_mm256_add_ps(even[r], odd[r])) + offset[r];
+}
+
 /* `statement` with ROWS_NOW a constant equal to `rows` (1..4). */
 #define FOR_ROWS(rows, statement)                                                                         \
     switch (rows) {                                                                                       \
@@ -142,7 +176,7 @@ INLINE void q8_0_row(const float *x, int64_t k, const int8_t *values, const floa
  * and min applied) in a buffer of its own, then runs a register tile over them and four rows
  * of x at a time: independent accumulators keep both FMA pipes busy, and each weight value is
  * widened once for all rows. */
-enum { Q4_1 = 0, Q8_0 = 1 };
+enum { Q4_1 = 0, Q8_0 = 1, Q8_16 = 2 };
 
 typedef struct {
     int format;
@@ -167,13 +201,22 @@ static void dequantize_row(const QuantizedRows *w, int64_t i, int64_t k, float *
                     _mm256_storeu_ps(out + (b + 1) * GROUP + 8 * s, _mm256_fmadd_ps(second[s], d1, m1));
             }
         }
-    } else {
+    } else if (w->format == Q8_0) {
         const int8_t *values = (const int8_t *)w->data + i * k;
         for (int64_t b = 0; b < blocks; b++) {
             __m256 block[4];
             q8_0_block(values + b * GROUP, block);
             const __m256 d = _mm256_set1_ps(scale[b]);
             for (int s = 0; s < 4; s++) _mm256_storeu_ps(out + b * GROUP + 8 * s, _mm256_mul_ps(block[s], d));
+        }
+    } else {
+        const int8_t *values = (const int8_t *)w->data + i * k;
+        const float *scale16 = w->scale + i * (k / 16), *min16 = w->min + i * (k / 16);
+        for (int64_t b = 0; b < k / 16; b++) {
+            __m256 block[2];
+            q8_16_block(values + b * 16, block);
+            const __m256 d = _mm256_set1_ps(scale16[b]), m0 = _mm256_set1_ps(min16[b]);
+            for (int s = 0; s < 2; s++) _mm256_storeu_ps(out + b * 16 + 8 * s, _mm256_fmadd_ps(block[s], d, m0));
         }
     }
 }
@@ -235,7 +278,7 @@ static void q4_1_matmul(const float *x, int64_t m, int64_t k, const uint8_t *nib
         return;
     }
     float sums[FEW_ROWS * blocks];
-    block_sums(x, m, k, sums);
+    block_sums(x, m, k, GROUP, sums);
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < n; i++)
         FOR_ROWS(m, q4_1_row(x, k, nibbles + i * ((blocks + 1) / 2) * GROUP, scale + i * blocks, min + i * blocks,
@@ -255,10 +298,25 @@ static void q8_0_matmul(const float *x, int64_t m, int64_t k, const int8_t *valu
         FOR_ROWS(m, q8_0_row(x, k, values + i * k, scale + i * blocks, y + i, n, ROWS_NOW))
 }
 
+static void q8_16_matmul(const float *x, int64_t m, int64_t k, const int8_t *values, const float *scale,
+                         const float *min, int64_t n, float *y) {
+    if (m > FEW_ROWS) {
+        const QuantizedRows w = {Q8_16, values, scale, min};
+        matmul_many_rows(&w, x, m, k, n, y);
+        return;
+    }
+    const int64_t blocks = k / 16;
+    float sums[FEW_ROWS * blocks];
+    block_sums(x, m, k, 16, sums);
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; i++)
+        FOR_ROWS(m, q8_16_row(x, k, values + i * k, scale + i * blocks, min + i * blocks, sums, y + i, n, ROWS_NOW))
+}
+
 /* A layer's product, y [rows][out_features] = x [rows][in_features] W^T: what GGUFLinear calls,
  * and what it hands a model as its srv.sdk.native.NativeKernel. */
 typedef struct {
-    int64_t format; /* Q4_1 or Q8_0 */
+    int64_t format; /* Q4_1, Q8_0 or Q8_16 */
     int64_t in_features, out_features;
     const void *data; /* nibbles or values */
     const float *scale, *min;
@@ -268,6 +326,8 @@ void srv_gguf_linear(const void *context, const float *x, int64_t rows, float *y
     const LinearContext *c = context;
     if (c->format == Q4_1)
         q4_1_matmul(x, rows, c->in_features, c->data, c->scale, c->min, c->out_features, y);
-    else
+    else if (c->format == Q8_0)
         q8_0_matmul(x, rows, c->in_features, c->data, c->scale, c->out_features, y);
+    else
+        q8_16_matmul(x, rows, c->in_features, c->data, c->scale, c->min, c->out_features, y);
 }

@@ -26,7 +26,9 @@ import logging
 import re
 from typing import Any
 
+import torch
 from torch import nn
+from torch.nn import functional as F
 
 from srv.sdk.quantization import QuantizationMethod, checkpoint_quantization_config
 
@@ -83,9 +85,24 @@ class TorchAOQuantization(QuantizationMethod):
         config = getattr(self, "config", None) or torchao_config(self.value)
         targets = [(name, module) for name, module in model.named_modules()
                    if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] != "lm_head"]
-        for _, module in targets:
+        for name, module in targets:
             # In the served dtype first: torchao's tensors keep the dtype they were made in.
-            module.to(self.served_dtype)
+            module.to(self.served_dtype or torch.float32)
             quantize_(module, config, filter_fn=lambda m, fqn: isinstance(m, nn.Linear))
+            parent, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(parent), leaf, TorchAOLinear(module))
         logger.info("torchao %s: %d linear layers quantized", self.value, len(targets))
         return len(targets)
+
+
+class TorchAOLinear(nn.Module):
+    """y = x W^T + b with W torchao's quantized tensor (a subclass computing its own products):
+    no longer an nn.Linear, which a model may repack for its own kernels."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
