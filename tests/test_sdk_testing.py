@@ -155,6 +155,11 @@ class TestAWQMarlin(TestGPTQ):
     backend_name = "awq_marlin"
 
 
+class TestBitsAndBytes(QuantizationMethodKit):
+    backend_name = "bitsandbytes"
+    relative_tolerance = 1.5e-1   # 4-bit NF4
+
+
 class TestTorchAOInt8DQ(QuantizationMethodKit):
     backend_name = "torchao"
     server_args = SimpleNamespace(torchao_config="int8dq")

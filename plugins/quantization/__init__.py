@@ -4,7 +4,8 @@ weights, computed weight-only), `gptq` and `awq` (int32-packed integer groups), 
 kernels compiled on first use, and the GPU-only
 methods of SGLang's list, registered with what they need."""
 
-from srv.sdk import Availability, all_of, hookimpl, requires_c_compiler, requires_cpu_flags, requires_cuda
+from srv.sdk import (Availability, all_of, hookimpl, requires_c_compiler, requires_cpu_flags, requires_cuda,
+                     requires_packages)
 
 SRV_SDK_VERSION = ">=0.1,<0.2"
 
@@ -59,6 +60,9 @@ def srv_register_quantization_methods(register):
         register(f"{name}_marlin", f"srv.plugins.quantization.packed_int:{factory}",
                  description=f"SGLang's name for {name} on Marlin's CUDA kernels: here the same CPU code as {name}",
                  available=requires_c_compiler)
+    register("bitsandbytes", "srv.plugins.quantization.bitsandbytes_method:BitsAndBytesQuantization",
+             description="a float checkpoint quantized at load to 4-bit NF4 on bitsandbytes' own (CPU) kernels",
+             available=requires_packages("bitsandbytes"))
     register("torchao", "srv.plugins.quantization.torchao_configs:TorchAOQuantization",
              description="--torchao-config int8wo, int8dq, int4wo-<group>, fp8wo: torchao's CPU kernels on a float "
                          "checkpoint quantized at load (chosen by the flag)",
