@@ -242,3 +242,11 @@ EXPECTED_NOT_SUPPORTED_YET = {
     "--remote-instance-weight-loader-seed-instance-ip", "--remote-instance-weight-loader-seed-instance-service-port", "--remote-instance-weight-loader-send-weights-group-ports", "--enable-pdmux",
     "--pdmux-config-path", "--sm-group-num", "--enable-deterministic-inference",
 }
+
+
+def test_torchao_config_takes_the_quantization_slot(plugins, capsys):
+    with pytest.raises(SystemExit):
+        parse_launch_args(["--torchao-config", "int8wo", "--quantization", "w8a8_int8"], *plugins)
+    assert "--torchao-config quantizes the weights itself; it cannot be combined with --quantization w8a8_int8" \
+        in capsys.readouterr().err
+    assert parse_launch_args(["--torchao-config", "int8wo"], *plugins).torchao_config == "int8wo"

@@ -160,6 +160,10 @@ def check_launch_args(args: argparse.Namespace, parser: LaunchArgumentParser) ->
     if args.speculative_algorithm:
         for message in speculative_refusals(args):
             parser.error(message)
+    if getattr(args, "torchao_config", "") and args.quantization not in (None, "torchao"):
+        # torchao is a quantization method: one method serves a launch's weights.
+        parser.error(f"--torchao-config quantizes the weights itself; it cannot be combined with "
+                     f"--quantization {args.quantization}")
 
 
 def speculative_refusals(args: argparse.Namespace) -> list[str]:
