@@ -411,10 +411,12 @@ class GGUFQuantization(QuantizationMethod):
             parent, _, leaf = name.rpartition(".")
             parts = []
             for shard in mapping.get(leaf, [leaf]):
-                module = f"{parent}.{shard}" if parent else shard
-                gguf_name = names.get(f"{module}.weight") or names.get(f"model.{module}.weight")
+                gguf_name = checkpoint_tensor(names, f"{parent}.{shard}" if parent else shard)
                 if gguf_name is None and shard == "lm_head":   # tied: the token embeddings
                     gguf_name = names.get("model.embed_tokens.weight")
+                if gguf_name is None:
+                    logger.warning("%s: no tensor of %s holds the layer %s: it is served dense", type(self).__name__,
+                                   self.model_file.name, name)
                 info = None if gguf_name is None else infos[gguf_name]
                 if info is None or info.kind not in BLOCKS:
                     parts = []
@@ -455,6 +457,19 @@ class GGUFQuantization(QuantizationMethod):
         layers = [[name, list(linear.weight.shape)] for name, linear in linears.items()]
         key = json.dumps([CACHE_VERSION, str(self.model_file), stat.st_size, stat.st_mtime_ns, layers])
         return cache_root() / "gguf-weights" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.safetensors"
+
+
+def checkpoint_tensor(names: dict[str, str], module: str) -> str | None:
+    """The file's tensor for the weight of the model's `module`, by its Hugging Face name: the
+    model's own name, or without the prefix of a wrapper (srv's transformers implementation holds
+    the model as `hf`), with or without "model."."""
+    parts = module.split(".")
+    for start in range(len(parts)):
+        name = ".".join(parts[start:])
+        found = names.get(f"{name}.weight") or names.get(f"model.{name}.weight")
+        if found is not None:
+            return found
+    return None
 
 
 def write_weights(path: Path, weights: dict[str, BlockWeight | None]) -> None:
