@@ -24,6 +24,7 @@ import tempfile
 import time
 from typing import Any
 
+from srv.sdk.gguf_names import hf_name, hf_row_order
 from srv.sdk.paths import cache_root as srv_cache_root, write_atomically
 
 logger = logging.getLogger("srv.plugins.models.gguf")
@@ -38,21 +39,6 @@ ARCHITECTURES = {
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
 }
-_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_BLOCK_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_SKIPPED = {"rope_freqs"}  # llama.cpp's precomputed rotary factors: no HF parameter
 
 
 def convert_gguf(gguf_path: str | os.PathLike, cache_root: str | os.PathLike | None = None) -> pathlib.Path:
@@ -226,45 +212,6 @@ def _hf_config(meta: dict[str, Any], tensor_names: set[str], reader: Any) -> dic
     return config
 
 
-def _hf_name(gguf_name: str) -> str | None:
-    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None for tensors HF lacks."""
-    base, _, suffix = gguf_name.rpartition(".")
-    parts = base.split(".")
-    if parts[0] == "blk" and len(parts) == 3 and parts[2] in _BLOCK_NAMES:
-        return f"model.layers.{parts[1]}.{_BLOCK_NAMES[parts[2]]}.{suffix}"
-    if base in _GLOBAL_NAMES:
-        return f"{_GLOBAL_NAMES[base]}.{suffix}"
-    if base in _SKIPPED:
-        return None
-    raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face counterpart")
-
-
-def hf_row_order(gguf_name: str, rows: Any, arch: str, config: dict[str, Any]) -> Any:
-    """A GGUF tensor's rows (an array, first dimension the outputs: floats, or the bytes of each
-    row's blocks) in Hugging Face's order: llama.cpp stores Llama's query and key projections
-    with each head's rotary pairs interleaved, which transformers' GGUF loader undoes into two
-    halves (biases too)."""
-    kind = gguf_name.split(".")[2] if gguf_name.startswith("blk.") else ""
-    if arch != "llama" or kind not in ("attn_q", "attn_k"):
-        return rows
-    heads = config["num_attention_heads"] if kind == "attn_q" else config["num_key_value_heads"]
-    shape = rows.shape
-    return rows.reshape(heads, shape[0] // heads // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
-
-
-def hf_names(gguf_names: Any) -> dict[str, str]:
-    """Hugging Face name -> GGUF name, for the tensors that have one."""
-    names = {}
-    for gguf_name in gguf_names:
-        try:
-            hf = _hf_name(gguf_name)
-        except ValueError:
-            continue
-        if hf is not None:
-            names[hf] = gguf_name
-    return names
-
-
 def _write_weights(reader: Any, config: dict[str, Any], arch: str, target: pathlib.Path) -> None:
     import numpy as np
     import torch
@@ -274,7 +221,7 @@ def _write_weights(reader: Any, config: dict[str, Any], arch: str, target: pathl
 
     tensors = {}
     for tensor in tqdm(reader.tensors, desc="Dequantizing GGUF", unit="tensor", disable=None):
-        name = _hf_name(tensor.name)
+        name = hf_name(tensor.name)
         if name is None:
             continue
         shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists dimensions innermost first

@@ -398,7 +398,7 @@ class GGUFQuantization(QuantizationMethod):
         row order), or None where one is float or has no kernel."""
         import numpy as np
 
-        from srv.plugins.models.gguf_convert import hf_names, hf_row_order
+        from srv.sdk.gguf_names import hf_names, hf_row_order
         from srv.plugins.quantization.gguf_blocks import layer_weight
 
         infos = tensor_infos(self.model_file)
