@@ -27,7 +27,7 @@ import torch
 from srv.engine.default_model import default_model_path
 from srv.plugins.attention.padded_sdpa import KV_FORMATS, decode_context, kernels as attention_kernels
 from srv.plugins.models.loaders import GGUFLoader
-from srv.plugins.models.packed_linear import PackedLinear
+from srv.sdk.packed_linear import PackedLinear
 from srv.plugins.quantization.gguf import GROUP, Q4_1Weight, Q8_0Weight
 from srv.sdk.models import ModelConfig
 

@@ -15,7 +15,7 @@ from torch.nn import functional as F
 import srv.plugins.models.llama as llama
 from srv.plugins.attention.padded_sdpa import PaddedSDPAAttention
 from srv.sdk.attention import ForwardBatch
-from srv.plugins.models.packed_linear import PackedLinear, can_pack
+from srv.sdk.packed_linear import PackedLinear, can_pack
 from srv.sdk.testing.attention import BATCHES, make_case
 from srv.sdk.native import NativeBuildError, load_c_library
 from srv.sdk.paths import write_atomically

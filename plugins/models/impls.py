@@ -19,7 +19,7 @@ class NativeModels(ModelImpl):
         return LlamaForCausalLM(config)
 
     def finalize(self, model) -> None:
-        from srv.plugins.models.packed_linear import pack_linear_layers
+        from srv.sdk.packed_linear import pack_linear_layers
 
         pack_linear_layers(model)
 

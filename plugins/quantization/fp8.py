@@ -13,11 +13,12 @@ the checkpoint's layout:
 A float checkpoint is quantized at load, per channel: s[n] = max_k |w[n, k]| / 448, the weight
 rounded to e4m3fn (every linear layer, the head included).
 
-Batches under NATIVE_ROWS rows (decode) go to fp8_kernels.c, which widens each weight row once
-for every activation row (AVX2 with F16C, or portable C). Larger ones are bound by arithmetic,
-where the served dtype's dense kernels are faster: the layer dequantizes its weights into a
-dense copy at its first such batch and keeps it, as gguf keeps its dense copy (a model that
-never sees one, decode-only, holds the float8 bytes alone).
+Batches under NATIVE_ROWS rows in float32 (DENSE_FROM_OTHER_DTYPES_ROWS in bf16) go to
+fp8_kernels.c, which widens each weight row once for every activation row (AVX2 with F16C, or
+portable C). Larger ones are bound by arithmetic, where the served dtype's dense kernels are
+faster: the layer dequantizes its weights into a dense copy (oneDNN's prepacked layer) at its
+first such batch and keeps it, as gguf keeps its dense copy (a model that never sees one,
+decode-only, holds the float8 bytes alone).
 """
 
 from __future__ import annotations
@@ -30,17 +31,20 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from srv.sdk import requires_cpu_flags
 from srv.sdk.linear import Linear, LinearMethod, parameter
 from srv.sdk.native import NativeKernel, load_c_library
+from srv.sdk.packed_linear import dense_layer
 from srv.sdk.quantization import (QuantizationMethod, checkpoint_quantization_config,
                                   compressed_tensors_scheme, kept_float)
 
 logger = logging.getLogger("srv.quantization")
 
 NATIVE_ROWS = 32
+# A model served in bf16 or float16 takes the dense copy from 8 rows called from Python, as
+# gguf's layers do: on AMX its bf16 products outrun the float32 kernel from about there.
+DENSE_FROM_OTHER_DTYPES_ROWS = 8
 FP8_MAX = 448.0
 
 
@@ -89,20 +93,21 @@ class Fp8Weight:
         self.context = Fp8LinearContext(isa, self.in_features, self.out_features, 1, block_k, self.w8.data_ptr(),
                                         self.kernel_scale.data_ptr(),
                                         None if self.bias is None else self.bias.data_ptr())
-        self.dense: dict[torch.dtype, torch.Tensor] = {}
+        self.dense: dict[torch.dtype, nn.Module] = {}
         self.kernel = NativeKernel.of(kernels().srv_fp8_linear, self.context)
 
     def matmul(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """x [M, K] -> [M, N]: the kernel (float32) for few rows, else dense in `dtype`."""
         rows = x.shape[0]
-        if rows < NATIVE_ROWS:
+        if rows < (NATIVE_ROWS if dtype == torch.float32 else DENSE_FROM_OTHER_DTYPES_ROWS):
             x = x.float().contiguous()
             y = torch.empty(rows, self.out_features)
             kernels().srv_fp8_linear(ctypes.addressof(self.context), x.data_ptr(), rows, y.data_ptr())
             return y
         if dtype not in self.dense:
-            self.dense[dtype] = dequantize(self.w8, self.scale, self.block_k, dtype)
-        return F.linear(x.to(dtype), self.dense[dtype], None if self.bias is None else self.bias.to(dtype))
+            self.dense[dtype] = dense_layer(dequantize(self.w8, self.scale, self.block_k, dtype),
+                                            None if self.bias is None else self.bias.to(dtype))
+        return self.dense[dtype](x.to(dtype))
 
 
 class Fp8LinearMethod(LinearMethod):

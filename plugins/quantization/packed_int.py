@@ -30,8 +30,9 @@ made with activation ordering gathers its activations in that order), which for 
 groups of a multiple of 32 is GGUF's Q4_1 layout (w = d * q + m, m = -s * z, both exact in
 float32) and for 8 bits with z = 128 its Q8_0 (q - 128): decode batches run the gguf plugin's
 C kernels (AVX2 and FMA), reading 4.5 or 8.5 bits a weight. Larger batches, and machines or
-layouts those kernels do not take, compute with the weights dequantized in the served dtype,
-made at the layer's first such batch and kept.
+layouts those kernels do not take, compute with the weights dequantized in the served dtype
+(oneDNN's prepacked layer where it computes that dtype), made at the layer's first such batch
+and kept.
 """
 
 from __future__ import annotations
@@ -41,12 +42,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from srv.plugins.quantization import gguf
 from srv.sdk import requires_cpu_flags
 from srv.sdk.linear import Linear, LinearMethod, parameter
 from srv.sdk.native import NativeKernel
+from srv.sdk.packed_linear import dense_layer
 from srv.sdk.quantization import (QuantizationMethod, checkpoint_quantization_config,
                                   compressed_tensors_scheme, kept_float)
 
@@ -83,7 +84,7 @@ class PackedWeight:
         self.bits, self.out_features, self.in_features = bits, q.shape[0], q.shape[1]
         self.q, self.zeros, self.scales, self.groups = q, zeros.float(), scales.float(), groups.long()
         self.bias = None if bias is None else bias.detach().float().contiguous()
-        self.dense: dict[torch.dtype, torch.Tensor] = {}
+        self.dense: dict[torch.dtype, nn.Module] = {}
         self.perm = None
         if bool((groups[1:] < groups[:-1]).any()):
             self.perm = torch.argsort(groups, stable=True)
@@ -121,8 +122,9 @@ class PackedWeight:
                 y += self.bias
             return y.to(x.dtype)
         if x.dtype not in self.dense:
-            self.dense[x.dtype] = self.dequantized().to(x.dtype)
-        return F.linear(x, self.dense[x.dtype], None if self.bias is None else self.bias.to(x.dtype))
+            self.dense[x.dtype] = dense_layer(self.dequantized().to(x.dtype),
+                                              None if self.bias is None else self.bias.to(x.dtype))
+        return self.dense[x.dtype](x)
 
 
 class PackedLayout:

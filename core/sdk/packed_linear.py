@@ -1,10 +1,10 @@
-"""Linear layers on oneDNN with weights reordered once, after loading, into its blocked layout.
+"""Linear layers on oneDNN with weights reordered once, after loading, into its blocked layout:
+for models' float layers, and for the dense copies quantization methods compute large batches
+with.
 
 A plain `F.linear` on CPU either reorders a bf16 weight on every call or, in float32, goes to
-MKL. With the reorder done once, bf16 products take 1.3x (batch 64) to 2x (one token) less time
-on an AVX512-BF16 machine, and the vocabulary head is read at DRAM speed. In float32 on an AMD
-EPYC (AVX2), oneDNN beats MKL 1.5x to 2.4x on SmolLM2's shapes: 30 decoder MLP weights plus the
-head take 14.3 instead of 26.5 ms for one token and 35 instead of 62 for 16.
+MKL; with the reorder done once, oneDNN's products are faster in both dtypes on SmolLM2's
+shapes (BENCHMARKS.md has the measurements), and the vocabulary head is read at DRAM speed.
 """
 
 from __future__ import annotations
@@ -52,3 +52,15 @@ def pack_linear_layers(model: nn.Module) -> None:
         if isinstance(module, nn.Linear):
             parent, _, leaf = name.rpartition(".")
             setattr(model.get_submodule(parent), leaf, PackedLinear(module.weight, module.bias))
+
+
+def dense_layer(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
+    """y = x W^T (+ b) with the weight in its dtype: a PackedLinear where oneDNN computes that
+    dtype, else a plain nn.Linear."""
+    if can_pack(weight.dtype):
+        return PackedLinear(weight, bias)
+    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta", dtype=weight.dtype)
+    layer.weight = nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        layer.bias = nn.Parameter(bias.to(weight.dtype), requires_grad=False)
+    return layer
