@@ -4,12 +4,9 @@ equal the library's own decompression exactly, and decode transformers' greedy t
 
 from __future__ import annotations
 
-import json
-import shutil
-
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from quantized_checkpoints import write_quantized_checkpoint
 
 import srv
 from srv.plugins.quantization.fp8 import dequantize
@@ -44,28 +41,20 @@ def test_weights_equal_the_librarys_decompression(tiny_models, tmp_path, name):
                                 input_activations=None if activations is None else QuantizationArgs(**activations))
     compressor = BaseCompressor.get_value_from_registry(fmt)
     largest = 127.0 if weights["type"] == "int" else 448.0
-    source, target = tiny_models["qwen2"], tmp_path / name
-    shutil.copytree(source, target)
-    out, decompressed = {}, {}
-    for key, tensor in load_file(str(source / "model.safetensors")).items():
-        if not key.endswith("proj.weight"):
-            out[key] = decompressed[key] = tensor
-            continue
+    def quantize_layer(key, tensor):
         maximum = tensor.abs().amax(1, keepdim=True) if weights["strategy"] == "channel" else tensor.abs().max()
         state = {"weight": tensor, "weight_scale": (maximum / largest).float(),
                  "weight_zero_point": torch.zeros_like(maximum, dtype=torch.int8 if largest == 127 else tensor.dtype)}
         compressed = compressor.compress(state, scheme)
         compressed.pop("weight_zero_point", None)
-        prefix = key.removesuffix("weight")
-        out.update({prefix + k: v for k, v in compressed.items()})
-        decompressed[key] = compressor.decompress(dict(compressed), scheme)["weight"].float()
-    save_file(out, str(target / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads((source / "config.json").read_text())
+        return compressed, compressor.decompress(dict(compressed), scheme)["weight"].float()
+
+    source, target = tiny_models["qwen2"], tmp_path / name
     quantization = {"quant_method": "compressed-tensors", "format": fmt, "ignore": ["lm_head"],
                     "config_groups": {"group_0": {"targets": ["Linear"], "weights": args.model_dump(mode="json"),
                                                   "input_activations": scheme.input_activations and
                                                   scheme.input_activations.model_dump(mode="json")}}}
-    (target / "config.json").write_text(json.dumps({**config, "quantization_config": quantization}))
+    decompressed = write_quantized_checkpoint(source, target, quantize_layer, quantization)
     prompts = [[5, 6, 7, 8, 9], [100, 200, 300]]
     with srv.Engine(model_path=str(target), dtype="float32", max_total_tokens=1024) as engine:
         attention = engine.runner.model.layers[0].self_attn

@@ -6,12 +6,10 @@ the default model within the stated bound."""
 from __future__ import annotations
 
 import ctypes
-import json
-import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from quantized_checkpoints import write_quantized_checkpoint
 
 import srv
 from srv.plugins.quantization.fp8 import Fp8Weight, dequantize, kernels, quantize_weight
@@ -55,32 +53,21 @@ def test_kernels_compute_the_dequantized_product(block_k):
 def write_fp8_checkpoint(source, target, layout):
     """The float checkpoint `source` in float8, as the formats store it; returns the dequantized
     float weights (what transformers is given as the reference)."""
-    shutil.copytree(source, target)
-    tensors = load_file(str(source / "model.safetensors"))
-    out, dequantized = {}, {}
-    for name, tensor in tensors.items():
-        if not name.endswith("proj.weight"):
-            out[name] = dequantized[name] = tensor
-            continue
+    def quantize_layer(name, tensor):
         if layout == "tensor":
             scale = tensor.abs().max() / 448
             w8 = (tensor / scale).to(torch.float8_e4m3fn)
-            out[name.replace(".weight", ".weight_scale")] = scale.reshape(())
-            dequantized[name] = w8.float() * scale
-        elif layout == "channel":
+            return {"weight": w8, "weight_scale": scale.reshape(())}, w8.float() * scale
+        if layout == "channel":
             w8, scale = quantize_weight(tensor)
-            out[name.replace(".weight", ".weight_scale")] = scale
-            dequantized[name] = w8.float() * scale
-        else:   # 32 x 32 blocks
-            n, k = tensor.shape
-            blocks = tensor.reshape(n // 32, 32, k // 32, 32)
-            scale = blocks.abs().amax(dim=(1, 3)) / 448
-            w8 = (blocks / scale[:, None, :, None]).to(torch.float8_e4m3fn).reshape(n, k)
-            out[name.replace(".weight", ".weight_scale_inv")] = scale
-            dequantized[name] = dequantize(w8, scale.repeat_interleave(32, 0), 32, torch.float32)
-        out[name] = w8
-    save_file(out, str(target / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads((source / "config.json").read_text())
+            return {"weight": w8, "weight_scale": scale}, w8.float() * scale
+        n, k = tensor.shape   # 32 x 32 blocks
+        blocks = tensor.reshape(n // 32, 32, k // 32, 32)
+        scale = blocks.abs().amax(dim=(1, 3)) / 448
+        w8 = (blocks / scale[:, None, :, None]).to(torch.float8_e4m3fn).reshape(n, k)
+        return ({"weight": w8, "weight_scale_inv": scale},
+                dequantize(w8, scale.repeat_interleave(32, 0), 32, torch.float32))
+
     quantization = {"tensor": {"quant_method": "fp8", "activation_scheme": "dynamic"},
                     "block": {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [32, 32]},
                     "channel": {"quant_method": "compressed-tensors", "format": "float-quantized",
@@ -90,8 +77,7 @@ def write_fp8_checkpoint(source, target, layout):
                                                 "strategy": "channel", "dynamic": False},
                                     "input_activations": {"num_bits": 8, "type": "float", "symmetric": True,
                                                           "strategy": "token", "dynamic": True}}}}}[layout]
-    (target / "config.json").write_text(json.dumps({**config, "quantization_config": quantization}))
-    return dequantized
+    return write_quantized_checkpoint(source, target, quantize_layer, quantization)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])

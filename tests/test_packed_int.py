@@ -7,11 +7,10 @@ and the dequantized path against the float product; the default model within the
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from quantized_checkpoints import write_quantized_checkpoint
 
 import srv
 from srv.plugins.quantization import packed_int
@@ -87,25 +86,13 @@ def layer_tensors(fmt: str, weight: torch.Tensor, bits: int, act_order: bool):
 
 def write_packed_checkpoint(source, target, fmt: str, bits: int = 4, act_order: bool = False):
     """The float checkpoint `source` in `fmt`; returns the dequantized float weights."""
-    shutil.copytree(source, target)
-    tensors = load_file(str(source / "model.safetensors"))
-    out, dequantized = {}, {}
-    for name, tensor in tensors.items():
-        if not name.endswith("proj.weight"):
-            out[name] = dequantized[name] = tensor
-            continue
-        stored, dequantized[name] = layer_tensors(fmt, tensor, bits, act_order)
-        prefix = name.removesuffix("weight")
-        out.update({prefix + key: value for key, value in stored.items()})
-    save_file(out, str(target / "model.safetensors"), metadata={"format": "pt"})
     if fmt == "awq":
         quantization = {"quant_method": "awq", "bits": 4, "group_size": GROUP, "zero_point": True, "version": "gemm"}
     else:
         quantization = {"quant_method": "gptq", "bits": bits, "group_size": GROUP, "desc_act": act_order,
                         "sym": fmt == "gptq-sym", "checkpoint_format": "gptq_v2" if fmt == "gptq-v2" else "gptq"}
-    config = json.loads((source / "config.json").read_text())
-    (target / "config.json").write_text(json.dumps({**config, "quantization_config": quantization}))
-    return dequantized
+    return write_quantized_checkpoint(source, target, lambda name, tensor: layer_tensors(fmt, tensor, bits, act_order),
+                                      quantization)
 
 
 def generate(path, **args):
@@ -166,33 +153,20 @@ def test_compressed_tensors_pack_quantized_unpacks_as_the_library_decompresses(t
     args = QuantizationArgs(num_bits=4, type="int", symmetric=symmetric, strategy="group", group_size=GROUP,
                             actorder=actorder)
     scheme = QuantizationScheme(targets=["Linear"], weights=args)
-    source, target = tiny_models["qwen2"], tmp_path / "ct"
-    shutil.copytree(source, target)
-    tensors = load_file(str(source / "model.safetensors"))
-    out, dequantized = {}, {}
-    for name, tensor in tensors.items():
-        if not name.endswith("proj.weight"):
-            out[name] = dequantized[name] = tensor
-            continue
+    def quantize_layer(name, tensor):
         g_idx = group_index(tensor.shape[1], actorder == "group")
         q, zeros, scales = quantize(tensor, 4, g_idx, symmetric)
         state = {"weight": scales[:, g_idx.long()] * (q - zeros[:, g_idx.long()]).float(),
                  "weight_scale": scales, "weight_zero_point": (zeros - 8).to(torch.int8)}
         compressed = PackedQuantizationCompressor.compress(state, scheme)
-        if actorder == "group":
-            compressed["weight_g_idx"] = g_idx
-        prefix = name.removesuffix("weight")
-        out.update({prefix + key: value for key, value in compressed.items()})
-        decompressed = PackedQuantizationCompressor.decompress(
-            {**compressed, "weight_zero_point": compressed.get("weight_zero_point"),
-             "weight_g_idx": g_idx}, scheme)
-        dequantized[name] = decompressed["weight"].float()
-    save_file(out, str(target / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads((source / "config.json").read_text())
+        decompressed = PackedQuantizationCompressor.decompress({**compressed, "weight_g_idx": g_idx}, scheme)
+        return compressed, decompressed["weight"].float()
+
+    source, target = tiny_models["qwen2"], tmp_path / "ct"
     quantization = {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
                     "config_groups": {"group_0": {"targets": ["Linear"], "weights": args.model_dump(mode="json"),
                                                   "input_activations": None}}}
-    (target / "config.json").write_text(json.dumps({**config, "quantization_config": quantization}))
+    dequantized = write_quantized_checkpoint(source, target, quantize_layer, quantization)
     prompts, outputs, qkv = generate(target)
     expected = torch.cat([dequantized[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"])
     assert torch.equal(qkv.packed.dequantized(), expected)
