@@ -1,4 +1,4 @@
-"""Built-in quantization plugins: `--quantization gguf` (a GGUF file's 4-bit and 8-bit blocks),
+"""Built-in quantization plugins: `--quantization gguf` (a GGUF file's own blocks),
 `w8a8_int8` (int8 weights and activations, int32 accumulation), `fp8` and `w8a8_fp8` (float8
 weights, computed weight-only), `gptq` and `awq` (int32-packed integer groups), all on srv's C
 kernels compiled on first use, and the GPU-only
@@ -34,8 +34,8 @@ def needs_gpu(name: str, what: str):
 @hookimpl
 def srv_register_quantization_methods(register):
     register("gguf", "srv.plugins.quantization.gguf:GGUFQuantization",
-             description="a .gguf file's Q4_1 and Q8_0 weights as they are, on srv's C kernels for "
-                         "decode batches",
+             description="a .gguf file's own blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K) read from the file, "
+                         "on srv's C kernels for decode batches",
              available=all_of(requires_cpu_flags("avx2", "fma"), requires_c_compiler), priority=10)
     register("w8a8_int8", "srv.plugins.quantization.w8a8_int8:W8A8Int8Quantization",
              description="int8 weights per channel, int8 activations per token, int32 products "
