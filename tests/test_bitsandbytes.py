@@ -1,6 +1,6 @@
 """`--quantization bitsandbytes` (kit in test_sdk_testing.py): a float checkpoint quantized at load
-to NF4 by bitsandbytes, against transformers on bitsandbytes' own dequantized weights, and the
-default model within the stated bound."""
+to NF4, and checkpoints transformers saved in bitsandbytes' format, against transformers on
+bitsandbytes' own dequantized weights; the default model within the stated bound."""
 
 from __future__ import annotations
 
@@ -40,13 +40,49 @@ def test_decodes_transformers_greedy_tokens_on_the_dequantized_weights(tiny_mode
     assert [r["output_ids"] for r in results] == [hf_greedy(reference, p, 8) for p in prompts]
 
 
-def test_a_checkpoint_stored_in_bitsandbytes_format_is_refused(tiny_models, tmp_path):
+@pytest.mark.parametrize("quant_type,nested,model_impl", [("nf4", True, "auto"), ("fp4", False, "auto"),
+                                                          ("nf4", False, "transformers")])
+def test_stored_checkpoints_are_read_as_transformers_saves_them(tiny_models, tmp_path, quant_type, nested,
+                                                                model_impl):
+    """A checkpoint transformers quantized and saved: the fused projections hold each shard's
+    weights exactly as bitsandbytes dequantizes them, and decode its greedy tokens."""
+    import bitsandbytes.functional as bnb_functional
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant_type, bnb_4bit_use_double_quant=nested,
+                                bnb_4bit_compute_dtype=torch.float32)
+    quantized = AutoModelForCausalLM.from_pretrained(str(tiny_models["llama"]), quantization_config=config,
+                                                     device_map="cpu")
+    quantized.save_pretrained(tmp_path / "bnb")
+    shutil.copy(tiny_models["llama"] / "tokenizer.json", tmp_path / "bnb")
+    shutil.copy(tiny_models["llama"] / "tokenizer_config.json", tmp_path / "bnb")
+    reference = AutoModelForCausalLM.from_pretrained(str(tiny_models["llama"]), dtype=torch.float32).eval()
+    dequantized = {}
+    with torch.no_grad():
+        for name, module in quantized.named_modules():
+            if hasattr(module.weight if hasattr(module, "weight") else None, "quant_state"):
+                dequantized[name] = bnb_functional.dequantize_4bit(module.weight.data, module.weight.quant_state)
+                reference.get_submodule(name).weight.copy_(dequantized[name])
+    prompts = [[5, 6, 7, 8, 9], [100, 200, 300]]
+    with srv.Engine(model_path=str(tmp_path / "bnb"), dtype="float32", max_total_tokens=1024,
+                    model_impl=model_impl) as engine:
+        assert engine.runner.quantization_name == "bitsandbytes"
+        if model_impl == "auto":
+            qkv = engine.runner.model.layers[0].self_attn.qkv_proj
+            expected = torch.cat([dequantized[f"model.layers.0.self_attn.{p}_proj"] for p in "qkv"])
+            assert torch.equal(bnb_functional.dequantize_4bit(qkv.packed, qkv.quant_state), expected)
+        results = engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": 8, "temperature": 0,
+                                                                      "ignore_eos": True})
+    assert [r["output_ids"] for r in results] == [hf_greedy(reference, p, 8) for p in prompts]
+
+
+def test_an_8bit_checkpoint_is_refused(tiny_models, tmp_path):
     shutil.copytree(tiny_models["llama"], tmp_path / "m")
     config = json.loads((tmp_path / "m" / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_8bit": True}
     (tmp_path / "m" / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="not read yet"):
-        srv.Engine(model_path=str(tmp_path / "m"), quantization="bitsandbytes", dtype="float32", max_total_tokens=256)
+    with pytest.raises(ValueError, match="8-bit"):
+        srv.Engine(model_path=str(tmp_path / "m"), dtype="float32", max_total_tokens=256)
 
 
 def test_default_model_within_the_stated_bound():

@@ -113,3 +113,13 @@ def load_weight(name: str, param: torch.Tensor, rows: torch.Tensor, tensor: torc
     if tensor.shape != rows.shape:
         raise ValueError(f"checkpoint weight {name} has shape {list(tensor.shape)}, the model's {list(rows.shape)}")
     rows.copy_(tensor)
+
+
+def checkpoint_key(name: str) -> str:
+    """A checkpoint tensor's name as a model's parameter name. Formats that store tensors beside a
+    layer's weight under its name (bitsandbytes' `q_proj.weight.absmax` and
+    `q_proj.weight.quant_state.bitsandbytes__nf4`) name parameters no module can hold: they become
+    `q_proj.weight_absmax` and `q_proj.weight_quant_state_bitsandbytes__nf4`, which a linear
+    method registers."""
+    head, dot_weight, tail = name.partition(".weight.")
+    return f"{head}.weight_{tail.replace('.', '_')}" if dot_weight else name

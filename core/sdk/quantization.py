@@ -141,12 +141,13 @@ def compressed_tensors_scheme(config: dict[str, Any], formats: tuple[str | None,
 def kept_float(name: str, config: dict[str, Any]) -> bool:
     """Whether a checkpoint stored quantized keeps the model's linear layer `name` in float: the
     head (SGLang computes heads unquantized), and the layers its config lists as left alone
-    (compressed-tensors' `ignore`, Fp8Config's `ignored_layers`, `modules_to_not_convert`):
+    (compressed-tensors' `ignore`, Fp8Config's `ignored_layers`, `modules_to_not_convert`,
+    bitsandbytes' `llm_int8_skip_modules`):
     module names, or "re:" patterns, matched with or without the checkpoint's "model." prefix."""
     if name.rsplit(".", 1)[-1] == "lm_head":
         return True
     names = {name, f"model.{name}"}
-    for key in ("ignore", "ignored_layers", "modules_to_not_convert"):
+    for key in ("ignore", "ignored_layers", "modules_to_not_convert", "llm_int8_skip_modules"):
         for pattern in config.get(key) or []:
             if pattern.startswith("re:"):
                 if any(re.fullmatch(pattern[3:], n) for n in names):

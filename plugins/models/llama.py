@@ -18,7 +18,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from srv.sdk.attention import ForwardBatch
-from srv.sdk.linear import load_weight, shard_rows
+from srv.sdk.linear import checkpoint_key, load_weight, shard_rows
 from srv.sdk.models import ModelOutput
 from srv.sdk.native import NativeBuildError, NativeKernel, load_c_library
 
@@ -311,7 +311,7 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
-            name = name.removeprefix("model.")
+            name = checkpoint_key(name.removeprefix("model."))
             if "rotary_emb" in name or (name == "lm_head.weight" and self.tie_word_embeddings):
                 continue
             module_path, _, leaf = name.rpartition(".")

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from srv.sdk.attention import ForwardBatch
-from srv.sdk.linear import load_weight
+from srv.sdk.linear import checkpoint_key, load_weight
 from srv.sdk.models import ModelOutput
 
 logger = logging.getLogger("srv.models.transformers")
@@ -141,6 +141,7 @@ class TransformersModel(nn.Module):
         unexpected: list[str] = []
         with torch.no_grad():
             for name, tensor in weights:
+                name = checkpoint_key(name)
                 key, converter = rename_source_key(name, renamings, converters, hf.base_model_prefix, targets)
                 if key not in targets and name in targets:
                     key, converter = name, None
