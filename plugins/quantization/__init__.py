@@ -61,7 +61,8 @@ def srv_register_quantization_methods(register):
                  description=f"SGLang's name for {name} on Marlin's CUDA kernels: here the same CPU code as {name}",
                  available=requires_c_compiler)
     register("bitsandbytes", "srv.plugins.quantization.bitsandbytes_method:BitsAndBytesQuantization",
-             description="a float checkpoint quantized at load to 4-bit NF4 on bitsandbytes' own (CPU) kernels",
+             description="bitsandbytes' 4-bit checkpoints (NF4, FP4, double quantization), or a float one made NF4 "
+                         "at load, on bitsandbytes' own (CPU) kernels",
              available=requires_packages("bitsandbytes"))
     register("torchao", "srv.plugins.quantization.torchao_configs:TorchAOQuantization",
              description="--torchao-config int8wo, int8dq, int4wo-<group>, fp8wo: torchao's CPU kernels on a float "
