@@ -332,6 +332,34 @@ def test_health_answers_fast_during_a_long_prefill(server):
     assert max(latencies) < 0.5, latencies
 
 
+@pytest.mark.parametrize("prefix", ["", "/v1"])
+def test_tokenize_and_detokenize_round_trip_as_the_tokenizer_does(server, default_model_dir, prefix):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    texts = ["Hello, world!", "<|im_start|>user\nhi<|im_end|>"]
+    one = post(server, f"{prefix}/tokenize", {"prompt": texts[0]}).json()
+    assert one["tokens"] == tokenizer.encode(texts[0]) and one["count"] == len(one["tokens"])
+    assert one["max_model_len"] > 0
+    both = post(server, f"{prefix}/tokenize", {"prompt": texts, "add_special_tokens": False}).json()
+    assert both["tokens"] == [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+    assert both["count"] == [len(t) for t in both["tokens"]]
+    assert post(server, f"{prefix}/detokenize", {"tokens": one["tokens"]}).json() == {"text": texts[0]}
+    texts_back = post(server, f"{prefix}/detokenize", {"tokens": both["tokens"], "skip_special_tokens": True}).json()
+    assert texts_back["text"] == [tokenizer.decode(t, skip_special_tokens=True) for t in both["tokens"]]
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/tokenize", {}, "prompt"), ("/tokenize", {"prompt": 5}, "prompt"), ("/tokenize", {"prompt": []}, "prompt"),
+    ("/detokenize", {"tokens": []}, "tokens"), ("/detokenize", {"tokens": [1, -2]}, "tokens"),
+    ("/v1/detokenize", {"tokens": [10 ** 9]}, "tokens")])
+def test_tokenize_routes_refuse_bad_input_with_an_error_object(server, path, body, param):
+    response = post(server, path, body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["code"] == 400 and error["param"] == param, error
+
+
 # ---- flags and process life ---------------------------------------------------------------------------
 
 

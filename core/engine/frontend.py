@@ -112,7 +112,8 @@ class Frontend:
 
     # ---- requests -------------------------------------------------------------------------------
 
-    async def tokenize(self, prompt: str | None, input_ids: list[int] | None) -> list[int]:
+    async def tokenize(self, prompt: str | None, input_ids: list[int] | None,
+                       add_special_tokens: bool = True) -> list[int]:
         if input_ids is not None:
             if not isinstance(input_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool)
                                                           for t in input_ids):
@@ -126,9 +127,9 @@ class Frontend:
             raise InvalidRequest("the prompt must be a string")
         check_text(prompt)
         try:
-            if self._tokenizer_pool is not None:
+            if self._tokenizer_pool is not None and add_special_tokens:
                 return await self._tokenizer_pool.encode(prompt)
-            return await self.off_loop(self.tokenizer.encode, prompt)
+            return await self.off_loop(lambda: self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
         except (TypeError, ValueError) as exc:   # what tokenizers raise on text they cannot take
             raise InvalidRequest(f"the prompt could not be tokenized: {exc}") from None
 

@@ -1,5 +1,5 @@
 """SGLang's native routes: /generate, /health, /health_generate, /get_model_info,
-/get_server_info, /flush_cache, /abort_request."""
+/get_server_info, /flush_cache, /abort_request, /tokenize and /detokenize (also under /v1/)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from srv.engine.request_state import RequestState
 from srv.engine.params import SamplingParamsInput
 from srv.server.app import (APIError, ServerContext, Step, check_choices, checked, event_stream, read_body,
                             until_done)
-from srv.server.protocol import AbortRequestBody, GenerateRequest
+from srv.server.protocol import AbortRequestBody, DetokenizeRequest, GenerateRequest, TokenizeRequest
 
 
 class NativeRoutes:
@@ -138,6 +138,32 @@ class NativeRoutes:
         body, content_type = self.context.metrics.exposition(await self.context.frontend.control("status"))
         return Response(body, media_type=content_type)
 
+    async def tokenize(self, request: Request) -> Response:
+        body = await read_body(request, TokenizeRequest, self.context)
+        frontend = self.context.frontend
+        prompts = body.prompt if isinstance(body.prompt, list) else [body.prompt]
+        tokens = [await frontend.tokenize(prompt, None, body.add_special_tokens) for prompt in prompts]
+        single = not isinstance(body.prompt, list)
+        return JSONResponse({"tokens": tokens[0] if single else tokens,
+                             "count": len(tokens[0]) if single else [len(t) for t in tokens],
+                             "max_model_len": frontend.context_len})
+
+    async def detokenize(self, request: Request) -> Response:
+        body = await read_body(request, DetokenizeRequest, self.context)
+        tokenizer = self.context.tokenizer
+        if tokenizer is None:
+            raise APIError("the tokenizer is skipped (--skip-tokenizer-init)")
+        single = not isinstance(body.tokens[0], list)
+        lists = [body.tokens] if single else body.tokens
+        vocabulary = len(tokenizer)
+        for ids in lists:
+            bad = next((t for t in ids if t >= vocabulary), None)
+            if bad is not None:
+                raise APIError(f"token id {bad} is not in the vocabulary ({vocabulary} tokens)", param="tokens")
+        texts = [await self.context.frontend.off_loop(
+            lambda ids=ids: tokenizer.decode(ids, skip_special_tokens=body.skip_special_tokens)) for ids in lists]
+        return JSONResponse({"text": texts[0] if single else texts})
+
     async def abort_request(self, request: Request) -> Response:
         body = await read_body(request, AbortRequestBody, self.context)
         self.context.frontend.abort(body.rid)
@@ -155,4 +181,6 @@ def native_routes(context: ServerContext) -> list[Route]:
         Route("/get_server_info", routes.get_server_info, methods=["GET"]),
         Route("/flush_cache", routes.flush_cache, methods=["POST"]),
         Route("/abort_request", routes.abort_request, methods=["POST"]),
+        *(Route(f"{prefix}/{name}", getattr(routes, name), methods=["POST"])
+          for prefix in ("", "/v1") for name in ("tokenize", "detokenize")),
     ]

@@ -25,6 +25,9 @@ BODIES: dict[str, tuple[type[BaseModel] | None, type[BaseModel] | None, bool]] =
     "/v1/responses/{response_id}": (None, ResponseObject, False),
     "/v1/models": (None, protocol.ModelList, False),
     "/v1/models/{model}": (None, protocol.ModelCard, False),
+    **{f"{prefix}/tokenize": (protocol.TokenizeRequest, protocol.TokenizeResponse, False) for prefix in ("", "/v1")},
+    **{f"{prefix}/detokenize": (protocol.DetokenizeRequest, protocol.DetokenizeResponse, False)
+       for prefix in ("", "/v1")},
 }
 # Routes that answer plain text (or nothing) on success.
 TEXT_ROUTES = {"/metrics", "/flush_cache"}
@@ -36,6 +39,8 @@ SUMMARIES = {
     "/get_model_info": "the model's path and shapes", "/get_server_info": "launch arguments and scheduler counters",
     "/flush_cache": "empty the prefix cache (when idle)", "/abort_request": "abort a request by rid",
     "/metrics": "Prometheus metrics", "/openapi.json": "this document",
+    "/tokenize": "a prompt's token ids", "/v1/tokenize": "a prompt's token ids",
+    "/detokenize": "the text of token ids", "/v1/detokenize": "the text of token ids",
 }
 
 

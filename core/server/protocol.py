@@ -151,7 +151,33 @@ class AbortRequestBody(StrictInput):
     rid: NonEmptyStr
 
 
+class TokenizeRequest(StrictInput):
+    """POST /tokenize and /v1/tokenize: the token ids of a prompt, or of each of a list."""
+
+    model: str | None = None
+    prompt: str | Annotated[list[str], Field(min_length=1, max_length=MAX_BATCH)]
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(StrictInput):
+    """POST /detokenize and /v1/detokenize: the text of token ids, or of each of a list."""
+
+    model: str | None = None
+    tokens: TokenIds | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_BATCH)]
+    skip_special_tokens: bool = False
+
+
 # ---- responses (for the OpenAPI document; the routes build them as plain dicts) ----------------
+
+
+class TokenizeResponse(BaseModel):
+    tokens: list[int] | list[list[int]]
+    count: int | list[int]
+    max_model_len: int
+
+
+class DetokenizeResponse(BaseModel):
+    text: str | list[str]
 
 
 class Usage(BaseModel):
