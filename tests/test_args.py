@@ -193,7 +193,7 @@ EXPECTED_NOT_SUPPORTED_YET = {
     "--modelopt-quant", "--modelopt-checkpoint-restore-path", "--modelopt-checkpoint-save-path",
     "--enable-fp32-lm-head",
     "--hybrid-kvcache-ratio", "--swa-full-tokens-ratio",
-    "--disable-hybrid-swa-memory", "--device", "--elastic-ep-backend", "--mooncake-ib-device",
+    "--disable-hybrid-swa-memory", "--elastic-ep-backend", "--mooncake-ib-device",
     "--tensor-parallel-size", "--pipeline-parallel-size", "--pp-max-micro-batch-size", 
     "--dist-timeout", "--download-dir", "--base-gpu-id",
     "--gpu-id-step", "--sleep-on-idle", "--mm-process-config", 
@@ -222,10 +222,10 @@ EXPECTED_NOT_SUPPORTED_YET = {
     "--enable-lmcache", "--enable-double-sparsity", "--ds-channel-config-path", "--ds-heavy-channel-num",
     "--ds-heavy-token-num", "--ds-heavy-channel-type", "--ds-sparse-decode-threshold", "--cpu-offload-gb",
     "--offload-group-size", "--offload-num-in-group", "--offload-prefetch-step", "--offload-mode",
-    "--cuda-graph-max-bs", "--cuda-graph-bs", "--disable-cuda-graph", "--disable-cuda-graph-padding",
+    "--cuda-graph-max-bs", "--cuda-graph-bs", "--disable-cuda-graph-padding",
     "--enable-profile-cuda-graph", "--enable-cudagraph-gc", "--enable-nccl-nvls", "--enable-symm-mem",
     "--disable-flashinfer-cutlass-moe-fp4-allgather", "--enable-tokenizer-batch-encode", "--disable-custom-all-reduce",
-    "--enable-mscclpp", "--enable-torch-symm-mem", "--disable-overlap-schedule", "--enable-dp-attention",
+    "--enable-mscclpp", "--enable-torch-symm-mem", "--enable-dp-attention",
     "--enable-dp-lm-head", "--enable-two-batch-overlap", "--enable-single-batch-overlap", "--tbo-token-distribution-threshold",
     "--enable-torch-compile", "--enable-torch-compile-debug-mode", "--enable-piecewise-cuda-graph", "--piecewise-cuda-graph-tokens",
     "--torch-compile-max-bs", "--piecewise-cuda-graph-max-tokens", "--enable-nan-detection",
@@ -250,3 +250,11 @@ def test_torchao_config_takes_the_quantization_slot(plugins, capsys):
     assert "--torchao-config quantizes the weights itself; it cannot be combined with --quantization w8a8_int8" \
         in capsys.readouterr().err
     assert parse_launch_args(["--torchao-config", "int8wo"], *plugins).torchao_config == "int8wo"
+
+
+def test_device_cpu_and_the_flags_that_describe_srv_already_are_accepted(plugins, capsys):
+    args = parse_launch_args(["--device", "cpu", "--disable-cuda-graph", "--disable-overlap-schedule"], *plugins)
+    assert args.device == "cpu" and args.disable_cuda_graph and args.disable_overlap_schedule
+    with pytest.raises(SystemExit):
+        parse_launch_args(["--device", "cuda"], *plugins)
+    assert "--device cuda: srv runs on the CPU" in capsys.readouterr().err

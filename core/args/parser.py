@@ -160,6 +160,10 @@ def check_launch_args(args: argparse.Namespace, parser: LaunchArgumentParser) ->
     if args.speculative_algorithm:
         for message in speculative_refusals(args):
             parser.error(message)
+    if args.device not in (None, "cpu"):
+        # --disable-cuda-graph and --disable-overlap-schedule are accepted as they are: srv runs
+        # no CUDA graphs and no overlapped scheduling, so they describe what it does already.
+        parser.error(f"--device {args.device}: srv runs on the CPU (--device cpu); GPU devices are not supported yet")
     if getattr(args, "torchao_config", "") and args.quantization not in (None, "torchao"):
         # torchao is a quantization method: one method serves a launch's weights.
         parser.error(f"--torchao-config quantizes the weights itself; it cannot be combined with "

@@ -26,7 +26,6 @@ NOT_SUPPORTED_YET = frozenset({
     "--swa-full-tokens-ratio",
     "--disable-hybrid-swa-memory",
     # Runtime options
-    "--device",
     "--elastic-ep-backend",
     "--mooncake-ib-device",
     "--tensor-parallel-size",
@@ -129,7 +128,6 @@ NOT_SUPPORTED_YET = frozenset({
     # Optimization/debug options
     "--cuda-graph-max-bs",
     "--cuda-graph-bs",
-    "--disable-cuda-graph",
     "--disable-cuda-graph-padding",
     "--enable-profile-cuda-graph",
     "--enable-cudagraph-gc",
@@ -140,7 +138,6 @@ NOT_SUPPORTED_YET = frozenset({
     "--disable-custom-all-reduce",
     "--enable-mscclpp",
     "--enable-torch-symm-mem",
-    "--disable-overlap-schedule",
     "--enable-dp-attention",
     "--enable-dp-lm-head",
     "--enable-two-batch-overlap",
