@@ -188,7 +188,7 @@ def test_server_arguments_doc_is_generated_and_fresh():
 # Flags accepted but not implemented yet, as of this commit.
 EXPECTED_NOT_SUPPORTED_YET = {
     "--model-loader-extra-config", "--trust-remote-code",
-    "--is-embedding", "--enable-multimodal", "--limit-mm-data-per-request", "--revision",
+    "--enable-multimodal", "--limit-mm-data-per-request", "--revision",
     "--warmups", "--nccl-port",
     "--modelopt-quant", "--modelopt-checkpoint-restore-path", "--modelopt-checkpoint-save-path",
     "--enable-fp32-lm-head",

@@ -9,7 +9,6 @@ NOT_SUPPORTED_YET = frozenset({
     # Model and tokenizer
     "--model-loader-extra-config",
     "--trust-remote-code",
-    "--is-embedding",
     "--enable-multimodal",
     "--limit-mm-data-per-request",
     "--revision",

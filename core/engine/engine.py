@@ -165,6 +165,15 @@ class Engine:
         finally:
             await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(results.aclose(), self._events))
 
+    def encode(self, prompt: str | list[str] | None = None,
+               input_ids: list[int] | list[list[int]] | None = None) -> Any:
+        """An embedding model's vector of a prompt ({"embedding": [...], "meta_info": {...}}),
+        or a list of them for a list of prompts, as sglang.Engine.encode returns."""
+        batched, prompts, ids, _ = self._split(prompt, input_ids, None)
+        states = self._run(self.frontend.embed(prompts, ids))
+        results = [_checked(state).embedding_result() for state in states]
+        return results if batched else results[0]
+
     def flush_cache(self) -> bool:
         return self._run(self.frontend.control("flush_cache"))
 

@@ -42,6 +42,10 @@ def _one_choice(raw: RawParams) -> RawParams:
     return raw
 
 
+# An embedding computes its prompt and generates nothing.
+EMBEDDING_PARAMS = SamplingParams(max_new_tokens=0)
+
+
 class QueueFull(Exception):
     """--max-queued-requests requests are already waiting to start."""
 
@@ -144,6 +148,9 @@ class Frontend:
     async def prepare(self, prompt: str | None, input_ids: list[int] | None,
                       raw_params: RawParams) -> tuple[list[int], SamplingParams]:
         """A request's tokens and sampling parameters, checked and fitted to the model's limits."""
+        if self.limits.embedding:
+            raise InvalidRequest("the served model is an embedding model: it generates no text "
+                                 "(use /v1/embeddings or /encode)")
         params = make_sampling_params(raw_params)
         ids, params = self.limits.fit(await self.tokenize(prompt, input_ids), params,
                                       max_new_tokens_given(raw_params))
@@ -230,6 +237,31 @@ class Frontend:
                 index += 1
             groups.append(group)
         return groups
+
+    async def embed(self, prompts: list[str | None], input_ids: list[list[int] | None],
+                    labels: dict[str, str] | None = None) -> list[RequestState]:
+        """Each prompt's embedding (`state.embedding`), on an embedding server: the prompts are
+        tokenized with the model's special tokens and checked as generation prompts are; either
+        all are queued or none is."""
+        if not self.limits.embedding:
+            raise InvalidRequest("the served model generates text: embeddings need an embedding model "
+                                 "(an encoder, or --is-embedding)")
+        prepared = []
+        for prompt, ids in zip(prompts, input_ids):
+            ids = await self.tokenize(prompt, ids)
+            prepared.append(self.limits.fit(ids, EMBEDDING_PARAMS, True)[0])
+        self._check_can_submit(None, len(prepared))
+        states = [self._submit(ids, EMBEDDING_PARAMS, None, labels=labels) for ids in prepared]
+        return [state for [state] in await self.wait([[state] for state in states])]
+
+    async def probe(self) -> RequestState:
+        """One request through the whole path (warm-up, health checks): a token of token id 0,
+        or on an embedding server its embedding."""
+        if self.limits.embedding:
+            [state] = await self.embed([None], [[0]])
+            return state
+        [[state]] = await self.generate([None], [[0]], [{"max_new_tokens": 1, "temperature": 0}])
+        return state
 
     async def follow(self, groups: list[list[RequestState]], interval: int = 1) -> AsyncIterator[tuple[int, RequestState]]:
         """(choice index, state) as each choice of `submit`'s groups advances (every `interval`

@@ -50,6 +50,7 @@ class RequestOutput:
     # prompt token from there on (None for the first token of the prompt), and their top ones.
     input_logprobs: list[float | None] | None = None
     input_top_logprobs: list[list[tuple[int, float]]] | None = None
+    embedding: list[float] | None = None   # an embedding server's pooled prompt, once computed
 
     @property
     def finished(self) -> bool:

@@ -18,12 +18,14 @@ logger = logging.getLogger("srv.frontend")
 class RequestLimits:
     """context_len: tokens of prompt and output together; vocab_size: rows of the embedding;
     kv_capacity_tokens: slots of the whole KV cache; allow_auto_truncate: cut what does not fit
-    (the prompt's start, then the output) instead of refusing it."""
+    (the prompt's start, then the output) instead of refusing it; embedding: the model embeds
+    prompts and generates nothing."""
 
     context_len: int
     vocab_size: int
     kv_capacity_tokens: int
     allow_auto_truncate: bool = False
+    embedding: bool = False
 
     def fit(self, input_ids: list[int], params: SamplingParams,
             max_new_tokens_given: bool) -> tuple[list[int], SamplingParams]:

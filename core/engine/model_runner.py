@@ -14,6 +14,7 @@ import torch
 
 from srv.backend_registry import AUTO, NONE, BackendRegistry, BackendUnavailable
 from srv.engine.default_model import default_model_path
+from srv.engine.pooling import Pooling
 from srv.sdk.attention import AttentionBackend, ForwardBatch, ForwardMode, KVCache, KVCacheDtype
 from srv.sdk.models import ModelConfig, ModelImpl, ModelLoader, ModelOutput, materialize
 from srv.sdk.quantization import QuantizationMethod
@@ -40,11 +41,15 @@ def available_memory_bytes() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def served_dtype(name: str, method: QuantizationMethod | None = None) -> torch.dtype:
+def served_dtype(name: str, method: QuantizationMethod | None = None, embedding: bool = False) -> torch.dtype:
     if name != AUTO:
         return DTYPES[name]
     if method is not None and method.activation_dtype is not None:
         return method.activation_dtype
+    if embedding:
+        # An embedding server's output is the hidden state itself, compared against vectors the
+        # reference computed in float32; bfloat16 moves it visibly (cosine 1 - 1e-4).
+        return torch.float32
     # bfloat16 only where the CPU computes it natively (AVX512-BF16, AMX): there it runs matmuls
     # several times faster than float32. Emulated on AVX2 it is 2.6x slower at 16 rows (measured).
     native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
@@ -67,10 +72,16 @@ class ModelRunner:
         method = self._quantization(path)
         if method is not None:
             method.check(str(path))
-        self.dtype = served_dtype(args.dtype, method)
+        impl = self._choose_impl()
+        # An embedding server pools each prompt's final hidden states instead of generating.
+        self.is_embedding = bool(args.is_embedding) or not impl.is_generation(self.config)
+        self.pooling = Pooling.for_model(self.model_dir) if self.is_embedding else None
+        # An encoder attends within each request's own tokens and keeps nothing between passes.
+        self.keeps_kv = impl.is_generation(self.config)
+        self.dtype = served_dtype(args.dtype, method, self.is_embedding)
         if method is not None:
             method.served_dtype = self.dtype
-        impl, self.model = self._build_model(method)
+        self.model = self._build_model(impl, method)
         loader.load(self.model, self.model_dir)
         if method is not None:
             method.apply(self.model)
@@ -78,6 +89,9 @@ class ModelRunner:
         impl.finalize(self.model)
         logger.info("loaded %s (%s, %s) in %.1fs", path.name, self.config.architectures[0], self.dtype,
                     time.monotonic() - started)
+        if self.pooling is not None:
+            logger.info("serving embeddings: %s pooling%s", self.pooling.method,
+                        ", normalized" if self.pooling.normalize else "")
         self.context_len = args.context_length or getattr(self.config, "max_position_embeddings", 4096)
         # Attention shapes from the config, whichever --model-impl built the model.
         self.num_layers = self.config.num_hidden_layers
@@ -134,7 +148,7 @@ class ModelRunner:
     def _load_config(self) -> ModelConfig:
         return ModelConfig.read(self.model_dir, json.loads(self.args.json_model_override_args or "{}"))
 
-    def _build_model(self, method: QuantizationMethod | None) -> tuple[ModelImpl, torch.nn.Module]:
+    def _choose_impl(self) -> ModelImpl:
         impls = self.registry
         if self.args.model_impl != AUTO:
             impl = impls.choose("model_impl", self.args.model_impl).create(self.args)
@@ -148,13 +162,16 @@ class ModelRunner:
             if impl is None:
                 raise BackendUnavailable(f"no --model-impl supports {self.config.architectures} "
                                          f"(installed: {', '.join(impls.names('model_impl'))})")
+        return impl
+
+    def _build_model(self, impl: ModelImpl, method: QuantizationMethod | None) -> torch.nn.Module:
         # Build without initialising: every parameter is about to be overwritten by the loader.
         # The quantization method's slots are put in before the weights load, in its format.
         with torch.device("meta"):
             model = impl.build(self.config)
             if method is not None:
                 method.prepare(model, self.config)
-        return impl, materialize(model)
+        return materialize(model)
 
     def _attention(self, name: str | None) -> AttentionBackend:
         registration = self.registry.choose("attention", name)
@@ -171,6 +188,10 @@ class ModelRunner:
         return int(fraction * available_memory_bytes() // self.kv_bytes_per_token())
 
     def allocate_kv_cache(self, num_slots: int) -> None:
+        if not self.keeps_kv:
+            # The slots still bound how many tokens run at once; no memory backs them.
+            logger.info("KV cache: none (an encoder keeps no keys and values); %d tokens at once", num_slots)
+            return
         self.kv_cache = self.kv_cache_dtype.create(num_slots, self.num_layers, self.num_kv_heads, self.head_dim,
                                                    self.dtype)
         logger.info("KV cache: %d slots in %s, %.1f MiB", num_slots, str(self.kv_cache.dtype).removeprefix("torch."),

@@ -52,6 +52,7 @@ class Req:
     stop_matcher: IncrementalDetokenizer | None = None
     error: str | None = None        # why the scheduler failed this request (it ends as ABORT)
     skipped_since: float | None = None   # when admission first passed it over for lack of KV memory
+    embedding: list[float] | None = None  # the pooled prompt, on an embedding server
 
     @property
     def token_ids(self) -> list[int]:

@@ -29,6 +29,7 @@ class RequestState:
         self.matched_stop: int | str | None = None
         self.error: str | None = None
         self.cached_tokens = 0
+        self.embedding: list[float] | None = None
         self.text = ""
         self._detokenizer = IncrementalDetokenizer.for_request(tokenizer, params) if tokenizer is not None else None
 
@@ -50,6 +51,8 @@ class RequestState:
         if out.input_logprobs is not None:
             self.input_logprobs, self.input_top_logprobs = out.input_logprobs, out.input_top_logprobs or []
         self.error = out.error
+        if out.embedding is not None:
+            self.embedding = out.embedding
         if out.finish_reason is not None:
             self.finish_reason, self.matched_stop = out.finish_reason, out.matched_stop
         if self._detokenizer is None:
@@ -77,3 +80,8 @@ class RequestState:
             meta["input_token_logprobs"] = list(zip(self.input_logprobs, self.prompt_ids[start:]))
             meta["input_top_logprobs"] = list(self.input_top_logprobs)
         return {"text": self.text, "output_ids": list(self.output_ids), "meta_info": meta}
+
+    def embedding_result(self) -> dict[str, Any]:
+        """SGLang's result of an embedding request."""
+        return {"embedding": self.embedding,
+                "meta_info": {"id": self.rid, "prompt_tokens": len(self.prompt_ids), "finish_reason": None}}

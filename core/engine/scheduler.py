@@ -106,7 +106,8 @@ class Scheduler:
         self.max_running = args.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS
         max_context = -(-runner.context_len // page_size) * page_size
         self.req_pool = ReqToTokenPool(self.max_running, max_context)
-        self.tree = None if args.disable_radix_cache else RadixCache(
+        # An embedding pools every token of its prompt, so none may come from the prefix cache.
+        self.tree = None if args.disable_radix_cache or runner.is_embedding else RadixCache(
             self.allocator, registry.choose("eviction_policy", args.radix_eviction_policy).create())
         self.policy = registry.choose("schedule_policy", args.schedule_policy).create(args)
         self.chunk_size = args.chunked_prefill_size or DEFAULT_CPU_CHUNKED_PREFILL_SIZE
@@ -157,7 +158,7 @@ class Scheduler:
     def request_limits(self) -> RequestLimits:
         """What one request may ask (the front end holds every request to it before queueing)."""
         return RequestLimits(self.runner.context_len, self.runner.config.vocab_size, self.allocator.capacity_tokens,
-                             bool(self.args.allow_auto_truncate))
+                             bool(self.args.allow_auto_truncate), self.runner.is_embedding)
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -331,6 +332,8 @@ class Scheduler:
             if budget <= 0:
                 break
             self._in_step = [req]
+            if self.runner.is_embedding and scheduled and req.seq_len - req.kv_len > budget:
+                break   # an embedding runs its prompt whole (one pass): in a step of its own
             if req.row is None:
                 if self._shares_uncached_prefix(req, [item.req for item in scheduled]):
                     continue
@@ -339,7 +342,7 @@ class Scheduler:
                         continue
                     break
                 req.skipped_since = None
-            extend = min(req.seq_len - req.kv_len, budget)
+            extend = req.seq_len - req.kv_len if self.runner.is_embedding else min(req.seq_len - req.kv_len, budget)
             try:
                 self._reserve(req, req.kv_len + extend)
             except OutOfKVMemory:

@@ -16,7 +16,7 @@ from srv.backend_registry import BackendRegistry
 from srv.engine.memory import PagedSlotAllocator
 from srv.engine.model_runner import ModelRunner
 from srv.engine.request import Req
-from srv.engine.worker import BatchResult, ScheduledReq, Worker
+from srv.engine.worker import BatchResult, EmbeddingWorker, ScheduledReq, Worker
 from srv.sdk.attention import ForwardMode
 from srv.sdk.speculative import DraftModel, DraftTree, SpeculativeAlgorithm, SpeculativeConfig, SpeculativeContext
 
@@ -25,7 +25,12 @@ logger = logging.getLogger("srv.scheduler")
 
 def make_worker(args: Namespace, runner: ModelRunner, registry: BackendRegistry, req_pool: Any, eos_ids: list[int],
                 fail: Callable[[Req, str], None], crash_on_nan: bool, stats: Any) -> Worker:
-    """The plain worker, or with --speculative-algorithm the speculative worker around it."""
+    """The plain worker, or with --speculative-algorithm the speculative worker around it; on
+    an embedding server the embedding worker."""
+    if runner.is_embedding:
+        if args.speculative_algorithm:
+            raise ValueError("--speculative-algorithm drafts tokens: an embedding server generates none")
+        return EmbeddingWorker(runner, req_pool, eos_ids, fail, crash_on_nan, stats)
     if not args.speculative_algorithm:
         return Worker(runner, req_pool, eos_ids, fail, crash_on_nan, stats)
     registration = registry.choose("speculative_algorithm", args.speculative_algorithm)

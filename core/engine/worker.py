@@ -271,3 +271,24 @@ class Worker:
 def reportable(logprob: float) -> float:
     """A log-probability JSON can carry (no -inf, no NaN)."""
     return logprob if math.isfinite(logprob) else LOGPROB_FLOOR
+
+
+class EmbeddingWorker(Worker):
+    """An embedding server's worker: one forward pass over whole prompts, each pooled
+    (srv.engine.pooling) from its final hidden states into `req.embedding`. Nothing is sampled;
+    the scheduler ends each request once its prompt is computed (max_new_tokens 0)."""
+
+    def __init__(self, runner: ModelRunner, *args: Any) -> None:
+        super().__init__(runner, *args)
+        self.capture_layers = (runner.num_layers,)
+
+    def run(self, batch: list[ScheduledReq]) -> BatchResult:
+        batch, _ = self._forward_isolating_failures(batch)
+        for item in batch:
+            if item.hidden.shape[0] != item.req.prompt_len:
+                raise RuntimeError(f"request {item.req.rid}: an embedding needs its prompt in one pass")
+            if self.crash_on_nan and torch.isnan(item.hidden).any():
+                raise FloatingPointError(f"NaN in the hidden states of request {item.req.rid} (--crash-on-nan)")
+            item.req.embedding = self.runner.pooling(item.hidden).tolist()
+            item.hidden = None
+        return BatchResult([RequestResult(item, [], []) for item in batch])

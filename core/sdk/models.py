@@ -124,6 +124,11 @@ class ModelImpl(ABC):
     def build(self, config: ModelConfig) -> nn.Module:
         ...
 
+    def is_generation(self, config: ModelConfig) -> bool:
+        """Whether the model this builds for `config` generates text; False for an encoder,
+        whose server embeds (as if launched with --is-embedding)."""
+        return True
+
     def finalize(self, model: nn.Module) -> None:
         """Called once the weights are loaded and cast to the served dtype: repack them for the
         kernels the model runs (optional)."""

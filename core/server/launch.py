@@ -78,7 +78,7 @@ async def _serve(args: Namespace, manager: PluginManager, registry: BackendRegis
                                 tool_parser=_tool_parser(args, registry))
         if not args.skip_server_warmup:
             # One token through the whole path, so the first user request pays no one-time costs.
-            await frontend.generate([None], [[0]], [{"max_new_tokens": 1}])
+            await frontend.probe()
         frontend.observers += [o.observe for o in (metrics, tracer, log) if o is not None]
         config = uvicorn.Config(build_app(context, manager.routes()), host=args.host, port=args.port,
                                 log_level=(args.log_level_http or args.log_level).lower())

@@ -25,13 +25,11 @@ class NativeRoutes:
         return Response(status_code=200 if self.context.alive() else 503)
 
     async def health_generate(self, request: Request) -> Response:
-        """Healthy only if the scheduler produces a token."""
+        """Healthy only if the scheduler produces a token (an embedding server: an embedding)."""
         if not self.context.alive():
             return Response(status_code=503)
         try:
-            states = await self.context.frontend.stream(None, [0], {"max_new_tokens": 1, "temperature": 0})
-            async for state in states:
-                pass
+            state = await self.context.frontend.probe()
         except EngineDead:
             return Response(status_code=503)
         return Response(status_code=200 if state.error is None else 503)
@@ -118,8 +116,8 @@ class NativeRoutes:
         args = self.context.args
         return JSONResponse({"model_path": args.model_path or self.context.model_name,
                              "tokenizer_path": args.tokenizer_path or self.context.model_info.get("model_dir"),
-                             "is_generation": True, "served_model_name": self.context.model_name,
-                             **self.context.model_info})
+                             "is_generation": self.context.model_info.get("is_generation", True),
+                             "served_model_name": self.context.model_name, **self.context.model_info})
 
     async def get_server_info(self, request: Request) -> Response:
         status = await self.context.frontend.control("status")

@@ -23,6 +23,8 @@ BODIES: dict[str, tuple[type[BaseModel] | None, type[BaseModel] | None, bool]] =
     "/abort_request": (protocol.AbortRequestBody, None, False),
     "/v1/responses": (ResponsesRequest, ResponseObject, True),
     "/v1/responses/{response_id}": (None, ResponseObject, False),
+    "/v1/embeddings": (protocol.EmbeddingRequest, protocol.EmbeddingResponse, False),
+    "/encode": (protocol.EncodeRequest, protocol.EncodeResult, False),
     "/v1/models": (None, protocol.ModelList, False),
     "/v1/models/{model}": (None, protocol.ModelCard, False),
     **{f"{prefix}/tokenize": (protocol.TokenizeRequest, protocol.TokenizeResponse, False) for prefix in ("", "/v1")},
@@ -41,6 +43,7 @@ SUMMARIES = {
     "/metrics": "Prometheus metrics", "/openapi.json": "this document",
     "/tokenize": "a prompt's token ids", "/v1/tokenize": "a prompt's token ids",
     "/detokenize": "the text of token ids", "/v1/detokenize": "the text of token ids",
+    "/v1/embeddings": "OpenAI's embeddings (an embedding server)", "/encode": "SGLang's embeddings (an embedding server)",
 }
 
 

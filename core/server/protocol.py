@@ -167,7 +167,48 @@ class DetokenizeRequest(StrictInput):
     skip_special_tokens: bool = False
 
 
+class EmbeddingRequest(StrictInput):
+    """POST /v1/embeddings (OpenAI's): the embedding of a text, of token ids, or of each of a list."""
+
+    model: str | None = None
+    input: (NonEmptyStr | TokenIds | Annotated[list[NonEmptyStr], Field(min_length=1, max_length=MAX_BATCH)]
+            | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_BATCH)])
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Annotated[int, Field(ge=1)] | None = None
+    user: str | None = None
+
+
+class EncodeRequest(StrictInput):
+    """POST /encode (SGLang's): the embedding of a text or token ids, or of each of a list."""
+
+    text: NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1, max_length=MAX_BATCH)] | None = None
+    input_ids: TokenIds | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_BATCH)] | None = None
+
+
 # ---- responses (for the OpenAPI document; the routes build them as plain dicts) ----------------
+
+
+class EmbeddingData(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str   # a base64 string of little-endian float32 with encoding_format base64
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[EmbeddingData]
+    model: str
+    usage: EmbeddingUsage
+
+
+class EncodeResult(BaseModel):
+    embedding: list[float]
+    meta_info: dict[str, Any]
 
 
 class TokenizeResponse(BaseModel):

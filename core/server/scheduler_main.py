@@ -100,6 +100,12 @@ def run_scheduler_process(args: Namespace, sockets: SchedulerSockets) -> None:
         "kv_capacity_tokens": scheduler.allocator.capacity_tokens,
         "max_running_requests": scheduler.max_running,
         "eos_token_ids": scheduler.eos_ids,
+        "is_generation": not runner.is_embedding,
+        "hidden_size": getattr(config, "hidden_size", None),
+        # Sentence-transformers' Matryoshka models name the prefixes of their embeddings that
+        # still work as embeddings (a list, or true for any).
+        "matryoshka_dimensions": getattr(config, "matryoshka_dimensions", None)
+        or getattr(config, "is_matryoshka", None),
     }))
     # Only now: importing transformers beside the weights' loading slowed that by half.
     scheduler.start_loading_tokenizer()

@@ -14,7 +14,8 @@ def srv_register_model_impls(register):
     register("sglang", "srv.plugins.models.impls:NativeModels",
              description="SGLang's name for the native implementation: same as srv")
     register("transformers", "srv.plugins.models.impls:TransformersModels", priority=0,
-             description="any Hugging Face causal LM through transformers' AttentionInterface on srv's KV cache")
+             description="any Hugging Face causal LM through transformers' AttentionInterface on srv's KV cache; "
+                         "encoders (BERT and the like) for embeddings")
 
 
 @hookimpl

@@ -25,14 +25,24 @@ class NativeModels(ModelImpl):
 
 
 class TransformersModels(ModelImpl):
-    """Any Hugging Face causal LM, as transformers builds it, with its attention on srv's KV cache."""
+    """Any Hugging Face causal LM, as transformers builds it, with its attention on srv's KV
+    cache; and encoder models (BERT and the like), served for their embeddings."""
 
     def supports(self, config: ModelConfig) -> bool:
-        from srv.plugins.models.transformers_impl import supports
+        from srv.plugins.models import transformers_encoder, transformers_impl
 
-        return supports(config.hf())
+        return transformers_impl.supports(config.hf()) or transformers_encoder.supports(config.hf())
+
+    def is_generation(self, config: ModelConfig) -> bool:
+        from srv.plugins.models import transformers_impl
+
+        return transformers_impl.supports(config.hf())
 
     def build(self, config: ModelConfig):
-        from srv.plugins.models.transformers_impl import TransformersModel
+        if self.is_generation(config):
+            from srv.plugins.models.transformers_impl import TransformersModel
 
-        return TransformersModel(config.hf())
+            return TransformersModel(config.hf())
+        from srv.plugins.models.transformers_encoder import TransformersEncoder
+
+        return TransformersEncoder(config.hf())

@@ -1,0 +1,112 @@
+"""Hugging Face encoder models (BERT, RoBERTa, XLM-R and the like) served for their embeddings
+(`--model-impl transformers`, chosen for an encoder architecture).
+
+The network is transformers' own base model (`AutoModel`), built with an attention
+implementation registered in `transformers.AttentionInterface` that attends bidirectionally
+within each request. As with srv's causal models, the batch's requests run as one packed
+sequence (batch dimension 1) at their own positions; each request comes whole (the scheduler
+never splits an embedding request into chunks, nor takes part of it from the prefix cache), so
+its tokens attend to each other and to nothing else, and no KV cache is written.
+
+The module returns no logits; its hidden states (ForwardBatch.capture_layers, numbered as
+transformers' `output_hidden_states`) are what the embedding worker pools.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from srv.sdk.attention import ForwardBatch
+from srv.sdk.models import ModelOutput
+from srv.plugins.models.transformers_impl import BATCH_KWARG, TransformersModel
+
+ATTENTION_NAME = "srv_encoder"
+# Model types whose position ids start after the padding token's id.
+OFFSET_POSITIONS = {"roberta", "xlm-roberta", "camembert", "xlm-roberta-xl"}
+
+
+def srv_encoder_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          attention_mask: torch.Tensor | None, scaling: float | None = None,
+                          dropout: float = 0.0, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature: full attention within each request.
+
+    query, key, value: [1, heads, T, head_dim]. Returns ([1, T, heads, head_dim], None)."""
+    batch: ForwardBatch | None = kwargs.get(BATCH_KWARG)
+    if batch is None:
+        raise RuntimeError(f"attention implementation {ATTENTION_NAME!r} needs the srv ForwardBatch as the "
+                           f"{BATCH_KWARG!r} keyword of the model call")
+    if any(batch.prefix_lens):
+        raise ValueError("an encoder computes each request whole: a request came with cached tokens")
+    outputs, start = [], 0
+    for length in batch.extend_lens:
+        end = start + length
+        outputs.append(F.scaled_dot_product_attention(query[:, :, start:end], key[:, :, start:end],
+                                                      value[:, :, start:end], scale=scaling))
+        start = end
+    return torch.cat(outputs, dim=2).transpose(1, 2), None
+
+
+def register_attention() -> None:
+    from transformers import AttentionInterface
+
+    if AttentionInterface._global_mapping.get(ATTENTION_NAME) is not srv_encoder_attention:
+        AttentionInterface.register(ATTENTION_NAME, srv_encoder_attention)
+
+
+class TransformersEncoder(TransformersModel):
+    """A transformers encoder (its base model, without task heads) on packed requests.
+
+    forward(batch) returns a ModelOutput with no logit columns and the hidden states
+    `batch.capture_layers` names, of every token; load_weights is TransformersModel's."""
+
+    def __init__(self, config: Any) -> None:
+        nn.Module.__init__(self)
+        from transformers import AutoModel
+
+        register_attention()
+        self.config = config
+        self.hf = AutoModel.from_config(config, attn_implementation=ATTENTION_NAME)
+        if self.hf.config._attn_implementation != ATTENTION_NAME:
+            raise RuntimeError(f"{type(self.hf).__name__} did not take attention implementation {ATTENTION_NAME!r}")
+        # RoBERTa-style embeddings number positions from padding_idx + 1 (transformers derives
+        # them from the padding in the ids, which a packed sequence has none of).
+        self.position_offset = config.pad_token_id + 1 if config.model_type in OFFSET_POSITIONS else 0
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> ModelOutput:
+        ids = batch.input_ids[None]
+        positions = batch.positions[None] + self.position_offset
+        # Segment 0 for every token, as a tokenizer gives a single text; passed explicitly because
+        # the model's default buffer is only max_position_embeddings long and the packed
+        # sequence may be longer.
+        out = self.hf(input_ids=ids, position_ids=positions, token_type_ids=torch.zeros_like(ids),
+                      output_hidden_states=bool(batch.capture_layers), **{BATCH_KWARG: batch})
+        hidden = torch.cat([out.hidden_states[i][0] for i in batch.capture_layers], -1).float() \
+            if batch.capture_layers else None
+        return ModelOutput(torch.empty(batch.logits_rows().numel(), 0), hidden)
+
+
+def supports(config: Any) -> bool:
+    """Encoder-only architectures transformers builds as a base model (`AutoModel`) whose
+    attention dispatches through AttentionInterface and takes absolute position ids."""
+    import transformers
+    from transformers import AutoModel
+
+    if int(transformers.__version__.split(".")[0]) < 5:
+        return False
+    if getattr(config, "is_decoder", False) or getattr(config, "is_encoder_decoder", False):
+        return False
+    try:
+        model_class = AutoModel._model_mapping[type(config)]
+    except (KeyError, ValueError):
+        return False
+    architectures = getattr(config, "architectures", None) or []
+    if model_class.__name__ not in architectures:
+        return False
+    if getattr(config, "position_embedding_type", "absolute") != "absolute":
+        return False   # relative position biases need the whole sequence's distances, not packed rows
+    return bool(getattr(model_class, "_supports_attention_backend", False))
