@@ -66,7 +66,7 @@ def test_reference_has_264_flags_and_srv_has_them_all():
     assert len(REFERENCE) == 264
     ours = {spec.names for spec in load_flag_specs() if not spec.srv}
     assert ours == {tuple(entry["flags"]) for entry in REFERENCE}
-    assert {spec.name for spec in load_flag_specs() if spec.srv} == {"--chat-template", "--tool-call-parser",
+    assert {spec.name for spec in load_flag_specs() if spec.srv} == {"--chat-template", "--tool-call-parser", "--reasoning-parser",
                                                                     "--max-request-body-bytes"}
 
 

@@ -62,6 +62,8 @@ FAMILIES: tuple[Family, ...] = (
     Family("lora_backend", "srv_register_lora_backends", "multi-LoRA kernels", ("--lora-backend",)),
     Family("tool_call_parser", "srv_register_tool_call_parsers", "tool-call formats in model output",
            ("--tool-call-parser",)),
+    Family("reasoning_parser", "srv_register_reasoning_parsers", "reasoning formats in model output",
+           ("--reasoning-parser",)),
 )
 
 FAMILIES_BY_NAME = {family.name: family for family in FAMILIES}
@@ -184,6 +186,15 @@ def srv_register_tool_call_parsers(register: Register) -> None:
     """Register tool-call formats (`--tool-call-parser`) for /v1/chat/completions with `tools`.
 
     factory() -> srv.sdk.tools.ToolCallParser
+    """
+
+
+@hookspec
+def srv_register_reasoning_parsers(register: Register) -> None:
+    """Register reasoning formats (`--reasoning-parser`): `reasoning_content` of chat responses
+    and /separate_reasoning.
+
+    factory() -> srv.sdk.reasoning.ReasoningParser
     """
 
 

@@ -24,6 +24,7 @@ from srv.engine.frontend import EngineDead, Frontend, QueueFull
 from srv.engine.params import InvalidRequest, validation_error
 from srv.engine.request_state import RequestState
 from srv.sdk.grammar import GrammarError
+from srv.sdk.reasoning import ReasoningParser
 from srv.sdk.tools import ToolCallParser
 from srv.server.metrics import ServerMetrics
 from srv.server.protocol import MAX_CHOICES
@@ -62,6 +63,9 @@ class ServerContext:
     version: str = ""
     metrics: ServerMetrics | None = None
     tool_parser: ToolCallParser | None = None   # --tool-call-parser, for /v1/chat/completions with tools
+    reasoning_parser: ReasoningParser | None = None   # --reasoning-parser: reasoning_content of chat responses
+    # Any installed reasoning parser by name (/separate_reasoning names one).
+    reasoning_parsers: Callable[[str], ReasoningParser] | None = None
 
     @property
     def tokenizer(self) -> Any:

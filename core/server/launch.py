@@ -75,7 +75,10 @@ async def _serve(args: Namespace, manager: PluginManager, registry: BackendRegis
         ready = scheduler.ready
         context = ServerContext(frontend, args, model_name, {"model_dir": ready.model_dir, **ready.model_info}, log,
                                 alive=lambda: scheduler.alive, version=srv.__version__, metrics=metrics,
-                                tool_parser=_tool_parser(args, registry))
+                                tool_parser=_tool_parser(args, registry),
+                                reasoning_parser=registry.choose("reasoning_parser", args.reasoning_parser).create()
+                                if args.reasoning_parser else None,
+                                reasoning_parsers=lambda name: registry.choose("reasoning_parser", name).create())
         if not args.skip_server_warmup:
             # One token through the whole path, so the first user request pays no one-time costs.
             await frontend.probe()

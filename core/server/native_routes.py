@@ -1,5 +1,6 @@
 """SGLang's native routes: /generate, /health, /health_generate, /get_model_info,
-/get_server_info, /flush_cache, /abort_request, /tokenize and /detokenize (also under /v1/)."""
+/get_server_info, /flush_cache, /abort_request, /separate_reasoning, /tokenize and /detokenize
+(also under /v1/)."""
 
 from __future__ import annotations
 
@@ -9,12 +10,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
+from srv.backend_registry import BackendError
 from srv.engine.frontend import EngineDead
 from srv.engine.request_state import RequestState
 from srv.engine.params import SamplingParamsInput
 from srv.server.app import (APIError, ServerContext, Step, check_choices, checked, event_stream, read_body,
                             until_done)
-from srv.server.protocol import AbortRequestBody, DetokenizeRequest, GenerateRequest, TokenizeRequest
+from srv.server.protocol import (AbortRequestBody, DetokenizeRequest, GenerateRequest, SeparateReasoningRequest,
+                                 TokenizeRequest)
 
 
 class NativeRoutes:
@@ -162,6 +165,20 @@ class NativeRoutes:
             lambda ids=ids: tokenizer.decode(ids, skip_special_tokens=body.skip_special_tokens)) for ids in lists]
         return JSONResponse({"text": texts[0] if single else texts})
 
+    async def separate_reasoning(self, request: Request) -> Response:
+        body = await read_body(request, SeparateReasoningRequest, self.context)
+        if body.reasoning_parser is not None:
+            try:
+                parser = self.context.reasoning_parsers(body.reasoning_parser)
+            except BackendError as exc:
+                raise APIError(str(exc), param="reasoning_parser") from None
+        elif self.context.reasoning_parser is not None:
+            parser = self.context.reasoning_parser
+        else:
+            raise APIError("name a reasoning_parser (the server has no --reasoning-parser)", param="reasoning_parser")
+        reasoning, text = parser.parse(body.text)
+        return JSONResponse({"text": text, "reasoning_text": reasoning})
+
     async def abort_request(self, request: Request) -> Response:
         body = await read_body(request, AbortRequestBody, self.context)
         self.context.frontend.abort(body.rid)
@@ -179,6 +196,7 @@ def native_routes(context: ServerContext) -> list[Route]:
         Route("/get_server_info", routes.get_server_info, methods=["GET"]),
         Route("/flush_cache", routes.flush_cache, methods=["POST"]),
         Route("/abort_request", routes.abort_request, methods=["POST"]),
+        Route("/separate_reasoning", routes.separate_reasoning, methods=["POST"]),
         *(Route(f"{prefix}/{name}", getattr(routes, name), methods=["POST"])
           for prefix in ("", "/v1") for name in ("tokenize", "detokenize")),
     ]

@@ -16,6 +16,7 @@ from starlette.routing import Route
 from srv.engine.params import SharedSamplingFields
 from srv.engine.request_state import RequestState
 from srv.sdk.grammar import ANY_JSON_OBJECT, GRAMMAR_KINDS
+from srv.sdk.reasoning import ReasoningStream
 from srv.sdk.tools import ToolCallStream
 from srv.server.app import (APIError, ServerContext, Step, check_choices, checked, event_stream, read_body,
                             until_done)
@@ -224,10 +225,10 @@ class OpenAIRoutes:
             prefill = _text_of(messages.pop().content)
         normalized = [history_message({**message.model_dump(exclude_unset=True), "content": _text_of(message.content)},
                                       self.context.tool_parser, self.template_source) for message in messages]
-        kwargs = {}
+        kwargs = dict(body.chat_template_kwargs or {})
         if tools is not None:
             normalized = tools.announce(normalized, self.template_source)
-            kwargs = tools.template_kwargs(self.template_source)
+            kwargs.update(tools.template_kwargs(self.template_source))
         add_generation_prompt = body.add_generation_prompt is not False or bool(prefill)
         try:
             prompt = self._tokenizer().apply_chat_template(normalized, chat_template=self.chat_template, tokenize=False,
@@ -267,16 +268,37 @@ class OpenAIRoutes:
         groups = await self.context.frontend.submit([prompt], [None], [params], labels=self.context.labels(request))
         streams: dict[int, ToolCallStream] = {}
         calling: dict[int, ToolCalling] = {}
+        reasoning = self.context.reasoning_parser if body.separate_reasoning else None
+        thinking: dict[int, ReasoningStream] = {}
+        held_reasoning: dict[int, str] = {}   # with stream_reasoning false: the reasoning until it ends
+
+        def split_reasoning(index: int, text: str, ending: bool) -> tuple[str, str]:
+            """(reasoning, content) of a step's text, as far as the choice's reasoning stream knows."""
+            stream = thinking.setdefault(index, reasoning.stream())
+            thought, content = stream.feed(text)
+            if ending:
+                more_thought, more_content = stream.finish()
+                thought, content = thought + more_thought, content + more_content
+            if body.stream and not body.stream_reasoning:
+                held_reasoning[index] = held_reasoning.get(index, "") + thought
+                thought = held_reasoning.pop(index) if ending or not stream.in_reasoning else ""
+            return thought, content
 
         def choice(index: int, state: RequestState, step: Step) -> dict[str, Any] | None:
             delta: dict[str, Any] = {"role": "assistant"} if step.first else {}
             finish = state.finish_reason if step.ending else None
+            text = step.text
+            if reasoning is not None:
+                thought, text = split_reasoning(index, text, step.ending)
+                if thought:
+                    delta["reasoning_content"] = thought
             if tools is None:
-                delta["content"] = step.text
+                if text or reasoning is None:
+                    delta["content"] = text
             else:
                 own = calling.setdefault(index, tools.for_choice())
                 stream = streams.setdefault(index, own.stream())
-                content, deltas = stream.feed(step.text)
+                content, deltas = stream.feed(text)
                 if step.ending:
                     content += stream.finish()
                 if content:
@@ -293,8 +315,11 @@ class OpenAIRoutes:
 
         def final(piece: dict[str, Any]) -> dict[str, Any]:
             """The whole output's piece as a message: its text, and with tools the calls read from it."""
-            index, content = piece["index"], piece.pop("delta").get("content", "")
+            delta = piece.pop("delta")
+            index, content = piece["index"], delta.get("content", "")
             message: dict[str, Any] = {"role": "assistant", "content": content}
+            if reasoning is not None:
+                message["reasoning_content"] = delta.get("reasoning_content") or None
             if tools is not None:
                 message["content"] = content.strip() or None
                 calls = calling[index].tool_calls(streams[index])

@@ -21,6 +21,7 @@ BODIES: dict[str, tuple[type[BaseModel] | None, type[BaseModel] | None, bool]] =
     "/v1/chat/completions": (protocol.ChatCompletionRequest, protocol.ChatCompletionResponse, True),
     "/generate": (protocol.GenerateRequest, protocol.GenerateResult, True),
     "/abort_request": (protocol.AbortRequestBody, None, False),
+    "/separate_reasoning": (protocol.SeparateReasoningRequest, protocol.SeparateReasoningResponse, False),
     "/v1/responses": (ResponsesRequest, ResponseObject, True),
     "/v1/responses/{response_id}": (None, ResponseObject, False),
     "/v1/embeddings": (protocol.EmbeddingRequest, protocol.EmbeddingResponse, False),
@@ -43,6 +44,7 @@ SUMMARIES = {
     "/metrics": "Prometheus metrics", "/openapi.json": "this document",
     "/tokenize": "a prompt's token ids", "/v1/tokenize": "a prompt's token ids",
     "/detokenize": "the text of token ids", "/v1/detokenize": "the text of token ids",
+    "/separate_reasoning": "a text's reasoning and the rest, split by a reasoning parser",
     "/v1/embeddings": "OpenAI's embeddings (an embedding server)", "/encode": "SGLang's embeddings (an embedding server)",
 }
 

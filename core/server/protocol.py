@@ -127,6 +127,12 @@ class ChatCompletionRequest(SamplingFields):
     # SGLang's and vLLM's: the last assistant message is the start of the answer.
     continue_final_message: bool | None = None
     add_generation_prompt: bool | None = None
+    # Keyword arguments for the chat template (Qwen3's enable_thinking, say).
+    chat_template_kwargs: dict[str, Any] | None = None
+    # SGLang's, with --reasoning-parser: the reasoning as reasoning_content (False: all content),
+    # and streamed as it comes (False: in one delta once it ends).
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
 
 
 class GenerateRequest(StrictInput):
@@ -165,6 +171,18 @@ class DetokenizeRequest(StrictInput):
     model: str | None = None
     tokens: TokenIds | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_BATCH)]
     skip_special_tokens: bool = False
+
+
+class SeparateReasoningRequest(StrictInput):
+    """POST /separate_reasoning (SGLang's): a text split into its reasoning and the rest."""
+
+    text: str
+    reasoning_parser: NonEmptyStr | None = None   # default: --reasoning-parser
+
+
+class SeparateReasoningResponse(BaseModel):
+    text: str
+    reasoning_text: str
 
 
 class EmbeddingRequest(StrictInput):
@@ -261,6 +279,7 @@ class ToolCallOut(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
     content: str | None
+    reasoning_content: str | None = None   # with --reasoning-parser
     tool_calls: list[ToolCallOut] | None = None
 
 

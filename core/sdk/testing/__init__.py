@@ -15,6 +15,7 @@ backend, and pytest runs every check of the kit on it::
 | EvictionPolicyKit | eviction_policy | backend_name or policy_factory | (contract only) |
 | GrammarBackendKit | grammar | backend_name or backend_factory | the grammar (jsonschema, re) |
 | ToolCallParserKit | tool_call_parser | backend_name or parser_factory | its own format_calls |
+| ReasoningParserKit | reasoning_parser | backend_name or parser_factory | its own format |
 | SchedulePolicyKit | schedule_policy | backend_name or policy_factory | (contract only) |
 | ModelLoaderKit | load_format | backend_name or loader_factory, make_checkpoint | transformers |
 | ModelImplKit | model_impl | backend_name or impl_factory, make_model_dir | transformers |
@@ -31,14 +32,15 @@ import pytest
 
 # The kits' plain `assert`s get pytest's detailed messages (registered before they are imported).
 pytest.register_assert_rewrite(*(f"{__name__}.{m}" for m in ("attention", "cache", "grammar", "models",
-                                                             "quantization", "sampling", "scheduling",
-                                                             "speculative", "tools")))
+                                                             "quantization", "reasoning", "sampling",
+                                                             "scheduling", "speculative", "tools")))
 
 from srv.sdk.testing.attention import AttentionBackendKit  # noqa: E402
 from srv.sdk.testing.cache import EvictionPolicyKit  # noqa: E402
 from srv.sdk.testing.grammar import GrammarBackendKit  # noqa: E402
 from srv.sdk.testing.models import ModelImplKit, ModelLoaderKit  # noqa: E402
 from srv.sdk.testing.quantization import QuantizationMethodKit  # noqa: E402
+from srv.sdk.testing.reasoning import ReasoningParserKit  # noqa: E402
 from srv.sdk.testing.registry import registered_temporarily  # noqa: E402
 from srv.sdk.testing.sampling import SamplerKit  # noqa: E402
 from srv.sdk.testing.scheduling import SchedulePolicyKit  # noqa: E402
@@ -54,6 +56,7 @@ __all__ = [
     "ModelImplKit",
     "ModelLoaderKit",
     "QuantizationMethodKit",
+    "ReasoningParserKit",
     "SamplerKit",
     "SchedulePolicyKit",
     "SpeculativeAlgorithmKit",
