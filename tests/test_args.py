@@ -216,7 +216,7 @@ EXPECTED_NOT_SUPPORTED_YET = {
     "--eplb-algorithm", "--eplb-rebalance-num-iterations", "--eplb-rebalance-layers-per-chunk", "--eplb-min-rebalancing-utilization-threshold",
     "--expert-distribution-recorder-mode", "--expert-distribution-recorder-buffer-size", "--enable-expert-distribution-metrics", "--deepep-config",
     "--moe-dense-tp-size", "--max-mamba-cache-size", "--mamba-ssm-dtype", "--mamba-full-memory-ratio",
-    "--mamba-scheduler-strategy", "--mamba-track-interval", "--multi-item-scoring-delimiter", "--enable-hierarchical-cache",
+    "--mamba-scheduler-strategy", "--mamba-track-interval", "--enable-hierarchical-cache",
     "--hicache-ratio", "--hicache-size", "--hicache-write-policy", "--hicache-io-backend",
     "--hicache-mem-layout", "--hicache-storage-backend", "--hicache-storage-prefetch-policy", "--hicache-storage-backend-extra-config",
     "--enable-lmcache", "--enable-double-sparsity", "--ds-channel-config-path", "--ds-heavy-channel-num",

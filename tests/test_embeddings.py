@@ -201,3 +201,22 @@ def test_embedding_server_info_and_health(server):
     assert info["is_generation"] is False and info["architectures"] == ["BertModel"]
     paths = httpx.get(f"{server.base}/openapi.json", headers=AUTH).json()["paths"]
     assert {"/v1/embeddings", "/encode"} <= set(paths)
+
+
+def test_rerank_orders_documents_by_embedding_cosine(server, minilm_dir):
+    from sentence_transformers import SentenceTransformer
+
+    query, documents = "Where is the Eiffel Tower?", ["Paris has the Eiffel Tower.", "Bananas are yellow.",
+                                                      "The tower in Paris was built in 1889."]
+    model = SentenceTransformer(str(minilm_dir), device="cpu")
+    vectors = model.encode([query, *documents], convert_to_tensor=True)
+    want = torch.nn.functional.cosine_similarity(vectors[:1], vectors[1:]).tolist()
+    results = post(server, "/v1/rerank", {"query": query, "documents": documents}).json()
+    assert [r["index"] for r in results] == sorted(range(3), key=lambda i: -want[i])
+    for r in results:
+        assert r["score"] == pytest.approx(want[r["index"]], abs=1e-4) and r["document"] == documents[r["index"]]
+    top = post(server, "/v1/rerank", {"query": query, "documents": documents, "top_n": 1,
+                                      "return_documents": False}).json()
+    assert len(top) == 1 and top[0]["index"] == results[0]["index"] and "document" not in top[0]
+    refused = post(server, "/v1/score", {"query": "a", "items": ["b"], "label_token_ids": [1]})
+    assert refused.status_code == 400

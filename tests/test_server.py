@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import math
 import os
 import signal
 import socket
@@ -18,6 +19,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import torch
 
 API_KEY = "test-key"
 MODEL = "SmolLM2-135M-Instruct"
@@ -512,3 +514,37 @@ def test_http_process_reaches_the_scheduler_start_without_torch():
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_score_route_gives_label_probabilities_after_query_and_item(server, default_model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
+    labels = [tokenizer.encode(w, add_special_tokens=False)[0] for w in (" yes", " no", " maybe")]
+    query, items = "Is the sky blue? Answer:", [" I think", " Surely", " Well,"]
+
+    def reference(text: str) -> list[float]:
+        with torch.inference_mode():
+            logits = model(torch.tensor([tokenizer.encode(text)])).logits[0, -1]
+        return torch.log_softmax(logits.float(), -1)[labels].tolist()
+
+    body = {"model": MODEL, "query": query, "items": items, "label_token_ids": labels}
+    response = post(server, "/v1/score", body).json()
+    assert response["object"] == "scoring" and response["usage"]["prompt_tokens"] > 0
+    for item, got in zip(items, response["scores"]):
+        assert got == pytest.approx([math.exp(v) for v in reference(query + item)], rel=2e-3)
+    softmaxed = post(server, "/v1/score", {**body, "apply_softmax": True}).json()["scores"]
+    assert all(sum(row) == pytest.approx(1) for row in softmaxed)
+    first = post(server, "/v1/score", {**body, "items": items[0], "item_first": True}).json()["scores"][0]
+    assert first == pytest.approx([math.exp(v) for v in reference(items[0] + query)], rel=2e-3)
+    ids = post(server, "/v1/score", {**body, "query": tokenizer.encode(query),
+                                     "items": [tokenizer.encode(i, add_special_tokens=False) for i in items]})
+    for got, want in zip(ids.json()["scores"], response["scores"]):
+        assert got == pytest.approx(want, rel=1e-4)
+    assert post(server, "/v1/rerank", {"query": "a", "documents": ["b"]}).status_code == 400   # not an embedding model
+    for bad, param in [({**body, "label_token_ids": []}, "label_token_ids"),
+                       ({**body, "label_token_ids": [10**7]}, "token_ids_logprob"),
+                       ({**body, "items": [[1, 2]]}, "items")]:
+        answer = post(server, "/v1/score", bad)
+        assert answer.status_code == 400 and answer.json()["error"]["param"] == param, answer.text

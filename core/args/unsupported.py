@@ -98,7 +98,6 @@ NOT_SUPPORTED_YET = frozenset({
     "--mamba-scheduler-strategy",
     "--mamba-track-interval",
     # Multi-item scoring
-    "--multi-item-scoring-delimiter",
     # Hierarchical cache
     "--enable-hierarchical-cache",
     "--hicache-ratio",

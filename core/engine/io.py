@@ -46,6 +46,7 @@ class RequestOutput:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     error: str | None = None
+    token_ids_logprobs: list[list[float]] = field(default_factory=list)
     # Once the prompt is computed, with logprob_start_len >= 0: the log-probability of each
     # prompt token from there on (None for the first token of the prompt), and their top ones.
     input_logprobs: list[float | None] | None = None

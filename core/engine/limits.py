@@ -40,6 +40,10 @@ class RequestLimits:
         if bad is not None:
             raise InvalidRequest(f"the input contains token id {bad}, outside the vocabulary of "
                                  f"{self.vocab_size} tokens (ids 0 to {self.vocab_size - 1})")
+        bad = next((t for t in params.token_ids_logprob if t >= self.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequest(f"token_ids_logprob names token id {bad}, outside the vocabulary of "
+                                 f"{self.vocab_size} tokens", "token_ids_logprob")
         if len(input_ids) >= self.context_len:
             if not self.allow_auto_truncate:
                 raise InvalidRequest(f"The input ({len(input_ids)} tokens) is longer than the model's context "

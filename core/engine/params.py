@@ -38,6 +38,8 @@ def _not_zero(value: int) -> int:
 
 
 TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
+# Tokens whose log-probabilities one request may follow at every position (token_ids_logprob).
+MAX_TOKEN_IDS_LOGPROB = 1024
 TokenCount = Annotated[int, Field(ge=0)]
 Temperature = Annotated[float, Field(ge=0)]
 TopP = Annotated[float, Field(gt=0, le=1)]
@@ -94,6 +96,7 @@ class SamplingParamsInput(SharedSamplingFields):
     logprobs: bool | None = None
     top_logprobs: TopLogprobs | None = None
     logprob_start_len: Annotated[int, Field(ge=-1)] | None = None
+    token_ids_logprob: Annotated[list[TokenId], Field(max_length=MAX_TOKEN_IDS_LOGPROB)] | None = None
 
 
 def validation_error(exc: ValidationError) -> InvalidRequest:

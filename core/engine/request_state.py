@@ -22,6 +22,7 @@ class RequestState:
         self.output_ids: list[int] = []
         self.logprobs: list[float] = []
         self.top_logprobs: list[list[tuple[int, float]]] = []
+        self.token_ids_logprobs: list[list[float]] = []   # params.token_ids_logprob's, per output token
         # The prompt's log-probabilities, with logprob_start_len >= 0 (see RequestOutput).
         self.input_logprobs: list[float | None] = []
         self.input_top_logprobs: list[list[tuple[int, float]]] = []
@@ -47,6 +48,7 @@ class RequestState:
         self.output_ids += out.new_ids
         self.logprobs += out.logprobs
         self.top_logprobs += out.top_logprobs
+        self.token_ids_logprobs += out.token_ids_logprobs
         self.cached_tokens = out.cached_tokens
         if out.input_logprobs is not None:
             self.input_logprobs, self.input_top_logprobs = out.input_logprobs, out.input_top_logprobs or []
@@ -75,6 +77,9 @@ class RequestState:
         if self.params.logprobs or self.params.top_logprobs:
             meta["output_token_logprobs"] = list(zip(self.logprobs, self.output_ids))
             meta["output_top_logprobs"] = list(self.top_logprobs)
+        if self.params.token_ids_logprob:
+            meta["output_token_ids_logprobs"] = [list(zip(values, self.params.token_ids_logprob))
+                                                 for values in self.token_ids_logprobs]
         if self.params.logprob_start_len >= 0:
             start = min(self.params.logprob_start_len, len(self.prompt_ids))
             meta["input_token_logprobs"] = list(zip(self.input_logprobs, self.prompt_ids[start:]))

@@ -479,7 +479,9 @@ class Scheduler:
                 continue
             appended = 0
             try:
-                for token, row in zip(item.tokens, item.rows):
+                for i, (token, row) in enumerate(zip(item.tokens, item.rows)):
+                    if item.token_ids_logprobs:
+                        req.token_ids_logprobs.append(item.token_ids_logprobs[i])
                     self._append_token(req, token, result.sample, row)
                     appended += 1
                     if req.finished:

@@ -92,7 +92,8 @@ class SchedulerLoop:
         out = RequestOutput(
             req.rid, req.output_ids[sent:], req.prompt_len, req.cached_tokens,
             req.finish_reason.value if req.finish_reason else None, req.matched_stop,
-            req.logprobs[sent:], req.top_logprobs[sent:], req.error, embedding=req.embedding)
+            req.logprobs[sent:], req.top_logprobs[sent:], req.error, req.token_ids_logprobs[sent:],
+            embedding=req.embedding)
         if req.params.logprob_start_len >= 0 and not req.input_logprobs_sent and req.next_prompt_logprob is None:
             out.input_logprobs, out.input_top_logprobs = req.input_logprobs, req.input_top_logprobs
             req.input_logprobs_sent = True

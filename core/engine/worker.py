@@ -57,6 +57,8 @@ class RequestResult:
     tokens: list[int]
     rows: list[int]
     nodes: list[int] = field(default_factory=list)   # the draft nodes accepted (row 1 + j of the item)
+    # params.token_ids_logprob's log-probabilities at each of `rows`.
+    token_ids_logprobs: list[list[float]] = field(default_factory=list)
 
     @property
     def req(self) -> Req:
@@ -255,7 +257,18 @@ class Worker:
                 result.rows = [result.rows[0]] + [result.rows[1 + j] for j in result.nodes]
                 if item.tree is not None:
                     self._move_accepted_kv(item, result.nodes)
+        self._record_token_ids_logprobs(results, logits)
         return BatchResult(results, sample)
+
+    @staticmethod
+    def _record_token_ids_logprobs(results: list[RequestResult], logits: torch.Tensor) -> None:
+        """Each row's log-probabilities of the tokens its request follows (token_ids_logprob),
+        from the model's own distribution (before penalties and temperature)."""
+        for result in results:
+            ids = result.req.params.token_ids_logprob
+            if ids and result.rows:
+                rows = torch.log_softmax(logits[result.rows].float(), dim=-1)[:, ids]
+                result.token_ids_logprobs = [list(map(reportable, row)) for row in rows.tolist()]
 
     def _move_accepted_kv(self, item: ScheduledReq, nodes: list[int]) -> None:
         """A tree's accepted node j at depth d wrote its KV at slot kv_len + 1 + j of the request's

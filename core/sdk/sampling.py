@@ -37,6 +37,9 @@ class SamplingParams:
     top_logprobs: int = 0
     # The prompt's log-probabilities from this token on (SGLang's logprob_start_len; -1: none).
     logprob_start_len: int = -1
+    # The log-probabilities of these tokens at every output position (SGLang's token_ids_logprob),
+    # whichever token is chosen: what scoring reads.
+    token_ids_logprob: list[int] = field(default_factory=list)
     # Constrained decoding: at most one of these (a JSON schema as text, a regex, an EBNF grammar).
     json_schema: str | None = None
     regex: str | None = None

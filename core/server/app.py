@@ -309,6 +309,7 @@ class APIKeyMiddleware:
 def build_app(context: ServerContext, plugin_routes: list[tuple[str, Any, list[str]]] = ()) -> Starlette:
     from srv.server.native_routes import native_routes
     from srv.server.embedding_routes import embedding_routes
+    from srv.server.score_routes import score_routes
     from srv.server.openai_routes import openai_routes
 
     from srv.server.openapi import openapi_route
@@ -324,7 +325,7 @@ def build_app(context: ServerContext, plugin_routes: list[tuple[str, Any, list[s
                                 exc.headers)
         return error_response(exc)
 
-    routes = [*openai_routes(context), *native_routes(context), *embedding_routes(context),
+    routes = [*openai_routes(context), *native_routes(context), *embedding_routes(context), *score_routes(context),
               *(Route(path, endpoint, methods=methods) for path, endpoint, methods in plugin_routes)]
     routes.append(openapi_route(routes, context))
     return Starlette(routes=routes, middleware=[Middleware(ErrorBoundary),

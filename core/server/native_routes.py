@@ -51,6 +51,10 @@ class NativeRoutes:
                                              for i in tokens]
             meta["output_top_logprobs"] = [[[v, t, text(t)] for t, v in state.top_logprobs[i]] for i in tokens] \
                 if state.top_logprobs else []
+            if state.params.token_ids_logprob:
+                ids = state.params.token_ids_logprob
+                meta["output_token_ids_logprobs"] = [[[v, t, text(t)] for v, t in zip(state.token_ids_logprobs[i], ids)]
+                                                     for i in tokens]
             if state.params.logprob_start_len >= 0 and (step is None or step.first):
                 prompt = state.prompt_ids[min(state.params.logprob_start_len, len(state.prompt_ids)):]
                 meta["input_token_logprobs"] = [[lp, t, text(t)] for lp, t in zip(state.input_logprobs, prompt)]
@@ -67,7 +71,8 @@ class NativeRoutes:
         params = given or SamplingParamsInput()
         if body.return_logprob:
             params = params.model_copy(update={"logprobs": True, "top_logprobs": body.top_logprobs_num or 0,
-                                               "logprob_start_len": body.logprob_start_len})
+                                               "logprob_start_len": body.logprob_start_len,
+                                               "token_ids_logprob": body.token_ids_logprob})
         return params
 
     async def generate(self, request: Request) -> Response:

@@ -26,6 +26,8 @@ BODIES: dict[str, tuple[type[BaseModel] | None, type[BaseModel] | None, bool]] =
     "/v1/responses/{response_id}": (None, ResponseObject, False),
     "/v1/embeddings": (protocol.EmbeddingRequest, protocol.EmbeddingResponse, False),
     "/encode": (protocol.EncodeRequest, protocol.EncodeResult, False),
+    "/v1/score": (protocol.ScoreRequest, protocol.ScoreResponse, False),
+    "/v1/rerank": (protocol.RerankRequest, protocol.RerankResult, False),
     "/v1/models": (None, protocol.ModelList, False),
     "/v1/models/{model}": (None, protocol.ModelCard, False),
     **{f"{prefix}/tokenize": (protocol.TokenizeRequest, protocol.TokenizeResponse, False) for prefix in ("", "/v1")},
@@ -45,6 +47,8 @@ SUMMARIES = {
     "/tokenize": "a prompt's token ids", "/v1/tokenize": "a prompt's token ids",
     "/detokenize": "the text of token ids", "/v1/detokenize": "the text of token ids",
     "/separate_reasoning": "a text's reasoning and the rest, split by a reasoning parser",
+    "/v1/score": "label tokens' probabilities after a query and each item",
+    "/v1/rerank": "documents by relevance to a query (an embedding server)",
     "/v1/embeddings": "OpenAI's embeddings (an embedding server)", "/encode": "SGLang's embeddings (an embedding server)",
 }
 

@@ -13,8 +13,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from srv.engine.params import (NonEmptyStr, SamplingParamsInput, SharedSamplingFields, StrictInput, TokenCount,
-                               TokenId, TopLogprobs)
+from srv.engine.params import (MAX_TOKEN_IDS_LOGPROB, NonEmptyStr, SamplingParamsInput, SharedSamplingFields,
+                               StrictInput, TokenCount, TokenId, TopLogprobs)
 
 # OpenAI's bound for the completions route's logprobs (its chat route's is TopLogprobs).
 MAX_COMPLETION_LOGPROBS = 5
@@ -146,6 +146,8 @@ class GenerateRequest(StrictInput):
     top_logprobs_num: TopLogprobs | None = None
     logprob_start_len: Annotated[int, Field(ge=-1)] | None = None
     return_text_in_logprobs: bool | None = None
+    # With return_logprob: these tokens' log-probabilities at every output position.
+    token_ids_logprob: Annotated[list[TokenId], Field(max_length=MAX_TOKEN_IDS_LOGPROB)] | None = None
     stream: bool | None = None
     rid: str | None = None
     priority: Priority | None = None
@@ -171,6 +173,42 @@ class DetokenizeRequest(StrictInput):
     model: str | None = None
     tokens: TokenIds | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_BATCH)]
     skip_special_tokens: bool = False
+
+
+class ScoreRequest(StrictInput):
+    """POST /v1/score (SGLang's): the probabilities of label tokens right after a query and each item."""
+
+    model: str | None = None
+    query: NonEmptyStr | TokenIds
+    items: (NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1, max_length=MAX_BATCH)]
+            | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_BATCH)])
+    label_token_ids: Annotated[list[TokenId], Field(min_length=1, max_length=MAX_TOKEN_IDS_LOGPROB)]
+    apply_softmax: bool = False   # normalized over the labels (else each label's own probability)
+    item_first: bool = False      # the item before the query
+
+
+class ScoreResponse(BaseModel):
+    object: Literal["scoring"] = "scoring"
+    scores: list[list[float]]
+    model: str
+    usage: dict[str, int]
+
+
+class RerankRequest(StrictInput):
+    """POST /v1/rerank: documents ordered by relevance to a query."""
+
+    model: str | None = None
+    query: NonEmptyStr
+    documents: Annotated[list[NonEmptyStr], Field(min_length=1, max_length=MAX_BATCH)]
+    top_n: Annotated[int, Field(ge=1)] | None = None
+    return_documents: bool = True
+
+
+class RerankResult(BaseModel):
+    score: float
+    index: int
+    document: str | None = None
+    meta_info: dict[str, Any] | None = None
 
 
 class SeparateReasoningRequest(StrictInput):
@@ -324,6 +362,7 @@ class MetaInfo(BaseModel):
     finish_reason: FinishReason | None
     output_token_logprobs: list[list[Any]] | None = None
     output_top_logprobs: list[list[Any]] | None = None
+    output_token_ids_logprobs: list[list[Any]] | None = None
 
 
 class GenerateResult(BaseModel):
