@@ -548,3 +548,101 @@ def test_score_route_gives_label_probabilities_after_query_and_item(server, defa
                        ({**body, "items": [[1, 2]]}, "items")]:
         answer = post(server, "/v1/score", bad)
         assert answer.status_code == 400 and answer.json()["error"]["param"] == param, answer.text
+
+
+# ---- operations routes ----------------------------------------------------------------------------
+
+
+def generate_in_background(server: Server, body: dict) -> tuple[threading.Thread, list]:
+    results: list = []
+    thread = threading.Thread(target=lambda: results.append(post(server, "/generate", body).json()))
+    thread.start()
+    return thread, results
+
+
+def wait_for_load(server: Server, requests: int) -> None:
+    deadline = time.monotonic() + 30
+    while httpx.get(f"{server.base}/get_load", headers=AUTH).json()[0]["num_reqs"] < requests:
+        assert time.monotonic() < deadline, "the requests never reached the scheduler"
+        time.sleep(0.05)
+
+
+def test_ping_get_load_and_put_generate(server):
+    assert httpx.get(f"{server.base}/ping", headers=AUTH).text == "pong"
+    [load] = httpx.get(f"{server.base}/get_load", headers=AUTH).json()
+    assert load["dp_rank"] == 0 and {"num_reqs", "num_waiting_reqs", "num_tokens"} <= set(load)
+    body = {"text": "Hi", "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
+    put = httpx.put(f"{server.base}/generate", json=body, headers=AUTH, timeout=60).json()
+    assert put["output_ids"] == post(server, "/generate", body).json()["output_ids"]
+
+
+@pytest.mark.parametrize("mode", ["in_place", "retract"])
+def test_a_paused_server_holds_its_requests_and_continues_them(server, mode):
+    body = {"text": "Count to ten:", "sampling_params": {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}}
+    alone = post(server, "/generate", body).json()["output_ids"]
+    thread, results = generate_in_background(server, body)
+    wait_for_load(server, 1)
+    assert post(server, "/pause_generation", {"mode": mode}).json()["success"]
+    time.sleep(1.0)
+    assert thread.is_alive() and httpx.get(f"{server.base}/get_load", headers=AUTH).json()[0]["num_reqs"] == 1
+    assert post(server, "/continue_generation", b"").status_code == 200
+    thread.join(timeout=60)
+    assert results[0]["output_ids"] == alone   # greedy, and resumed where it stood
+
+
+def test_pause_with_abort_and_abort_all_end_the_requests(server):
+    body = {"text": "Count:", "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}}
+    thread, results = generate_in_background(server, body)
+    wait_for_load(server, 1)
+    assert post(server, "/pause_generation", b"").status_code == 200    # mode "abort" by default
+    thread.join(timeout=30)
+    assert results[0]["meta_info"]["finish_reason"]["type"] == "abort"
+    post(server, "/continue_generation", b"")
+    threads = [generate_in_background(server, body) for _ in range(2)]
+    wait_for_load(server, 2)
+    assert post(server, "/abort_request", {"abort_all": True}).status_code == 200
+    for thread, results in threads:
+        thread.join(timeout=30)
+        assert results[0]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert post(server, "/abort_request", {}).json()["error"]["param"] == "rid"
+    assert post(server, "/pause_generation", {"mode": "later"}).status_code == 400
+
+
+def test_profile_routes_write_a_chrome_trace(server, tmp_path):
+    import gzip
+
+    started = post(server, "/start_profile", {"output_dir": str(tmp_path), "num_steps": 2, "profile_id": "t"}).json()
+    assert started["path"] == str(tmp_path / "t-TP-0.trace.json.gz")
+    post(server, "/generate", {"text": "Hi", "sampling_params": {"max_new_tokens": 4}})
+    trace = json.loads(gzip.decompress(Path(started["path"]).read_bytes()))
+    assert trace["traceEvents"]
+    assert post(server, "/stop_profile", b"").status_code == 400    # it stopped after its two steps
+    assert post(server, "/start_profile", {"activities": ["GPU"]}).status_code == 400
+    post(server, "/start_profile", {"output_dir": str(tmp_path)})
+    assert post(server, "/start_profile", {"output_dir": str(tmp_path)}).status_code == 400   # one at a time
+    assert Path(post(server, "/stop_profile", b"").json()["path"]).exists()
+
+
+def test_configure_logging_turns_request_logs_on_and_off(server):
+    answer = post(server, "/configure_logging", {"log_requests": True, "log_requests_level": 2}).json()
+    assert answer["log_requests"] is True and answer["log_requests_level"] == 2
+    post(server, "/generate", {"text": "logged-prompt-xyz", "sampling_params": {"max_new_tokens": 1}})
+    post(server, "/configure_logging", {"log_requests": False})
+    deadline = time.monotonic() + 5
+    while not any("logged-prompt-xyz" in line for line in server.output) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert any("logged-prompt-xyz" in line for line in server.output)
+    assert post(server, "/configure_logging", {"log_requests_level": 7}).status_code == 400
+
+
+def test_parse_function_call_route(server):
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    text = 'Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    answer = post(server, "/parse_function_call", {"text": text, "tools": tools}).json()
+    assert answer["normal_text"] == "Let me check."
+    assert answer["calls"] == [{"tool_index": 0, "name": "get_weather", "parameters": '{"city": "Paris"}'}]
+    kimi = ("<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
+            '{"city": "Rome"}<|tool_call_end|><|tool_calls_section_end|>')
+    answer = post(server, "/parse_function_call", {"text": kimi, "tool_call_parser": "kimi_k2", "tools": tools}).json()
+    assert [(c["name"], json.loads(c["parameters"])) for c in answer["calls"]] == [("get_weather", {"city": "Rome"})]
+    assert post(server, "/parse_function_call", {"text": "x", "tool_call_parser": "nope"}).status_code == 400

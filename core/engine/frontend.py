@@ -97,7 +97,10 @@ class Frontend:
         if isinstance(out, ControlResult):
             future = self._calls.pop(out.call_id, None)
             if future is not None and not future.done():
-                future.set_result(out.value)
+                if out.error is not None:
+                    future.set_exception(InvalidRequest(out.error))
+                else:
+                    future.set_result(out.value)
             return
         self._not_started.discard(out.rid)
         queue = self._queues.get(out.rid)
@@ -321,16 +324,23 @@ class Frontend:
     def abort(self, rid: str) -> None:
         self.send(AbortRequest(rid))
 
+    def abort_all(self) -> int:
+        """Abort every request the front end follows; returns how many."""
+        rids = list(self._queues)
+        for rid in rids:
+            self.send(AbortRequest(rid))
+        return len(rids)
+
     def close(self) -> None:
         self._worker.shutdown(wait=False, cancel_futures=True)
         if self._tokenizer_pool is not None:
             self._tokenizer_pool.close()
 
-    async def control(self, method: str) -> Any:
+    async def control(self, method: str, **args: Any) -> Any:
         if self.dead is not None:
             raise EngineDead(self.dead)
         call_id = next(self._call_ids)
         future = asyncio.get_running_loop().create_future()
         self._calls[call_id] = future
-        self.send(ControlRequest(call_id, method))
+        self.send(ControlRequest(call_id, method, args))
         return await future

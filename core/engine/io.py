@@ -27,10 +27,12 @@ class AbortRequest:
 
 @dataclass
 class ControlRequest:
-    """Ask the scheduler loop something between steps: `method` names a `control_*` method."""
+    """Ask the scheduler loop something between steps: `method` names a `control_*` method,
+    called with `args` as keywords."""
 
     call_id: int
     method: str
+    args: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -62,3 +64,4 @@ class RequestOutput:
 class ControlResult:
     call_id: int
     value: Any
+    error: str | None = None   # the control method refused the call (the caller's mistake)

@@ -293,6 +293,11 @@ class Scheduler:
         self.waiting.insert(0, victim)
         logger.info("retracted request %s (%s), %d running", victim.rid, why, len(self.running))
 
+    def retract_all(self, why: str) -> None:
+        """Retract every running request (its KV to the prefix cache; it resumes later)."""
+        while self.running:
+            self._retract(why=why)
+
     def _priority_key(self, req: Req) -> int:
         return req.priority if self.args.schedule_low_priority_values_first else -req.priority
 

@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 from srv.engine.io import AbortRequest, ControlRequest, ControlResult, GenerateRequest, RequestOutput
+from srv.engine.profiler import StepProfiler
 from srv.engine.request import Req
 from srv.engine.scheduler import Scheduler
 
@@ -22,6 +23,7 @@ Message = GenerateRequest | AbortRequest | ControlRequest
 
 logger = logging.getLogger("srv.scheduler")
 THROUGHPUT_WINDOW_S = 5.0
+PAUSE_MODES = ("abort", "retract", "in_place")
 
 
 class SchedulerLoop:
@@ -30,10 +32,13 @@ class SchedulerLoop:
         self._sent: dict[str, int] = {}   # output tokens already reported, per request
         self._generated: collections.deque[tuple[float, int]] = collections.deque()
         self._logged_decode_steps = 0
+        self.paused = False              # /pause_generation: no steps until /continue_generation
+        self.profiler = StepProfiler()
+        self._control_outputs: list[RequestOutput] = []   # what a control call ended (aborted requests)
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work and not self.paused
 
     def handle(self, message: Message) -> list[RequestOutput | ControlResult]:
         if isinstance(message, GenerateRequest):
@@ -52,9 +57,16 @@ class SchedulerLoop:
         method = getattr(self, f"control_{message.method}", None)
         if method is None:
             raise ValueError(f"unknown control method {message.method!r}")
-        return [ControlResult(message.call_id, method())]
+        try:
+            result = ControlResult(message.call_id, method(**message.args))
+        except ValueError as exc:   # the caller's mistake (a bad mode, a profile already running)
+            result = ControlResult(message.call_id, None, str(exc))
+        outputs, self._control_outputs = self._control_outputs, []
+        return [*outputs, result]
 
     def step(self) -> list[RequestOutput]:
+        if self.paused:
+            return []
         try:
             stepped = self.scheduler.step()
         except FloatingPointError:   # --crash-on-nan asks for the process to end
@@ -64,6 +76,7 @@ class SchedulerLoop:
             self.scheduler.fail_step(f"internal error: {type(exc).__name__}: {exc}")
             stepped = []
         outputs = [self._output(req) for req in self.scheduler.take_failed() + stepped]
+        self.profiler.after_step()
         now, stats = time.monotonic(), self.scheduler.stats
         self._generated.append((now, stats.generated_tokens))
         while now - self._generated[0][0] > THROUGHPUT_WINDOW_S:
@@ -107,6 +120,38 @@ class SchedulerLoop:
 
     def control_flush_cache(self) -> bool:
         return self.scheduler.flush_cache()
+
+    def control_pause_generation(self, mode: str = "abort") -> bool:
+        """Stop stepping. mode "abort" ends every request (as aborted), "retract" gives the
+        running requests' KV back (they resume from the prefix cache), "in_place" keeps it all."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"mode {mode!r} is not one of {', '.join(PAUSE_MODES)}")
+        scheduler = self.scheduler
+        if mode == "abort":
+            for req in [*scheduler.running, *scheduler.waiting]:
+                scheduler.abort(req.rid)
+                self._control_outputs.append(self._output(req))
+        elif mode == "retract":
+            scheduler.retract_all("generation paused")
+        self.paused = True
+        logger.info("generation paused (%s)", mode)
+        return True
+
+    def control_continue_generation(self) -> bool:
+        self.paused = False
+        logger.info("generation continues")
+        return True
+
+    def control_load(self) -> dict[str, Any]:
+        scheduler = self.scheduler
+        return {"num_reqs": len(scheduler.running) + len(scheduler.waiting), "num_waiting_reqs": len(scheduler.waiting),
+                "num_tokens": scheduler.kv_tokens_in_use()}
+
+    def control_start_profile(self, **options: Any) -> str:
+        return self.profiler.start(**options)
+
+    def control_stop_profile(self) -> str:
+        return self.profiler.stop()
 
     def control_status(self) -> dict[str, Any]:
         scheduler = self.scheduler

@@ -18,14 +18,7 @@ from __future__ import annotations
 
 from abc import ABC
 
-
-def partial_marker_suffix(text: str, marker: str) -> int:
-    """The length of the longest tail of `text` that is a proper beginning of `marker` (text a
-    stream must hold back: the next piece may complete the marker)."""
-    for size in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-size:]):
-            return size
-    return 0
+from srv.sdk.tools import partial_suffix
 
 
 class ReasoningStream:
@@ -74,7 +67,7 @@ class ReasoningStream:
                     continue
                 # A possible beginning of the end marker waits, and so does trailing whitespace:
                 # it belongs to the reasoning only if more reasoning follows.
-                keep = partial_marker_suffix(self._pending, marker)
+                keep = partial_suffix(self._pending, marker)
                 certain = self._pending[:len(self._pending) - keep].rstrip()
                 reasoning += self._give_reasoning(certain)
                 self._pending = self._pending[len(certain):]
@@ -101,7 +94,7 @@ class ReasoningStream:
             return (rest.strip(), "") if self.parser.starts_in_reasoning else ("", rest)
         if self.state == self.REASONING:
             # The output ended inside the reasoning, perhaps partway through the end marker.
-            rest = rest[:len(rest) - partial_marker_suffix(rest, self.parser.end_marker)]
+            rest = rest[:len(rest) - partial_suffix(rest, self.parser.end_marker)]
             return (rest.rstrip() if self._reasoning_started else rest.strip()), ""
         return "", rest
 

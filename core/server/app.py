@@ -64,8 +64,9 @@ class ServerContext:
     metrics: ServerMetrics | None = None
     tool_parser: ToolCallParser | None = None   # --tool-call-parser, for /v1/chat/completions with tools
     reasoning_parser: ReasoningParser | None = None   # --reasoning-parser: reasoning_content of chat responses
-    # Any installed reasoning parser by name (/separate_reasoning names one).
+    # Any installed parser by name (/separate_reasoning and /parse_function_call name one).
     reasoning_parsers: Callable[[str], ReasoningParser] | None = None
+    tool_parsers: Callable[[str], ToolCallParser] | None = None
 
     @property
     def tokenizer(self) -> Any:
@@ -310,6 +311,7 @@ def build_app(context: ServerContext, plugin_routes: list[tuple[str, Any, list[s
     from srv.server.native_routes import native_routes
     from srv.server.embedding_routes import embedding_routes
     from srv.server.score_routes import score_routes
+    from srv.server.admin_routes import admin_routes
     from srv.server.openai_routes import openai_routes
 
     from srv.server.openapi import openapi_route
@@ -326,6 +328,7 @@ def build_app(context: ServerContext, plugin_routes: list[tuple[str, Any, list[s
         return error_response(exc)
 
     routes = [*openai_routes(context), *native_routes(context), *embedding_routes(context), *score_routes(context),
+              *admin_routes(context),
               *(Route(path, endpoint, methods=methods) for path, endpoint, methods in plugin_routes)]
     routes.append(openapi_route(routes, context))
     return Starlette(routes=routes, middleware=[Middleware(ErrorBoundary),

@@ -78,7 +78,8 @@ async def _serve(args: Namespace, manager: PluginManager, registry: BackendRegis
                                 tool_parser=_tool_parser(args, registry),
                                 reasoning_parser=registry.choose("reasoning_parser", args.reasoning_parser).create()
                                 if args.reasoning_parser else None,
-                                reasoning_parsers=lambda name: registry.choose("reasoning_parser", name).create())
+                                reasoning_parsers=lambda name: registry.choose("reasoning_parser", name).create(),
+                                tool_parsers=lambda name: registry.choose("tool_call_parser", name).create())
         if not args.skip_server_warmup:
             # One token through the whole path, so the first user request pays no one-time costs.
             await frontend.probe()

@@ -1,6 +1,6 @@
 """SGLang's native routes: /generate, /health, /health_generate, /get_model_info,
-/get_server_info, /flush_cache, /abort_request, /separate_reasoning, /tokenize and /detokenize
-(also under /v1/)."""
+/get_server_info, /flush_cache, /abort_request, /separate_reasoning, /parse_function_call,
+/tokenize and /detokenize (also under /v1/)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from srv.engine.request_state import RequestState
 from srv.engine.params import SamplingParamsInput
 from srv.server.app import (APIError, ServerContext, Step, check_choices, checked, event_stream, read_body,
                             until_done)
-from srv.server.protocol import (AbortRequestBody, DetokenizeRequest, GenerateRequest, SeparateReasoningRequest,
-                                 TokenizeRequest)
+from srv.server.protocol import (AbortRequestBody, DetokenizeRequest, GenerateRequest, ParseFunctionCallRequest,
+                                 SeparateReasoningRequest, TokenizeRequest)
 
 
 class NativeRoutes:
@@ -170,23 +170,43 @@ class NativeRoutes:
             lambda ids=ids: tokenizer.decode(ids, skip_special_tokens=body.skip_special_tokens)) for ids in lists]
         return JSONResponse({"text": texts[0] if single else texts})
 
+    @staticmethod
+    def _parser(name: str | None, make: Any, default: Any, param: str, flag: str) -> Any:
+        """The installed parser `name`, else the server's own (its flag's)."""
+        if name is not None:
+            try:
+                return make(name)
+            except BackendError as exc:
+                raise APIError(str(exc), param=param) from None
+        if default is None:
+            raise APIError(f"name a {param} (the server has no {flag})", param=param)
+        return default
+
     async def separate_reasoning(self, request: Request) -> Response:
         body = await read_body(request, SeparateReasoningRequest, self.context)
-        if body.reasoning_parser is not None:
-            try:
-                parser = self.context.reasoning_parsers(body.reasoning_parser)
-            except BackendError as exc:
-                raise APIError(str(exc), param="reasoning_parser") from None
-        elif self.context.reasoning_parser is not None:
-            parser = self.context.reasoning_parser
-        else:
-            raise APIError("name a reasoning_parser (the server has no --reasoning-parser)", param="reasoning_parser")
-        reasoning, text = parser.parse(body.text)
+        parser = self._parser(body.reasoning_parser, self.context.reasoning_parsers, self.context.reasoning_parser,
+                              "reasoning_parser", "--reasoning-parser")
+        reasoning, text = await self.context.frontend.off_loop(parser.parse, body.text)
         return JSONResponse({"text": text, "reasoning_text": reasoning})
+
+    async def parse_function_call(self, request: Request) -> Response:
+        body = await read_body(request, ParseFunctionCallRequest, self.context)
+        parser = self._parser(body.tool_call_parser, self.context.tool_parsers, self.context.tool_parser,
+                              "tool_call_parser", "--tool-call-parser")
+        text, calls = await self.context.frontend.off_loop(parser.parse, body.text)
+        names = [tool.function.name for tool in body.tools or []]
+        return JSONResponse({"normal_text": text, "calls": [
+            {"tool_index": names.index(call.name) if call.name in names else -1, "name": call.name,
+             "parameters": call.arguments} for call in calls]})
 
     async def abort_request(self, request: Request) -> Response:
         body = await read_body(request, AbortRequestBody, self.context)
-        self.context.frontend.abort(body.rid)
+        if body.abort_all:
+            self.context.frontend.abort_all()
+        elif body.rid is not None:
+            self.context.frontend.abort(body.rid)
+        else:
+            raise APIError("give the rid of the request to abort, or abort_all", param="rid")
         return Response(status_code=200)
 
 
@@ -196,12 +216,13 @@ def native_routes(context: ServerContext) -> list[Route]:
     return [*metrics,
         Route("/health", routes.health, methods=["GET"]),
         Route("/health_generate", routes.health_generate, methods=["GET"]),
-        Route("/generate", routes.generate, methods=["POST"]),
+        Route("/generate", routes.generate, methods=["POST", "PUT"]),
         Route("/get_model_info", routes.get_model_info, methods=["GET"]),
         Route("/get_server_info", routes.get_server_info, methods=["GET"]),
         Route("/flush_cache", routes.flush_cache, methods=["POST"]),
         Route("/abort_request", routes.abort_request, methods=["POST"]),
         Route("/separate_reasoning", routes.separate_reasoning, methods=["POST"]),
+        Route("/parse_function_call", routes.parse_function_call, methods=["POST"]),
         *(Route(f"{prefix}/{name}", getattr(routes, name), methods=["POST"])
           for prefix in ("", "/v1") for name in ("tokenize", "detokenize")),
     ]

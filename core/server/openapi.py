@@ -22,6 +22,13 @@ BODIES: dict[str, tuple[type[BaseModel] | None, type[BaseModel] | None, bool]] =
     "/generate": (protocol.GenerateRequest, protocol.GenerateResult, True),
     "/abort_request": (protocol.AbortRequestBody, None, False),
     "/separate_reasoning": (protocol.SeparateReasoningRequest, protocol.SeparateReasoningResponse, False),
+    "/parse_function_call": (protocol.ParseFunctionCallRequest, protocol.ParseFunctionCallResponse, False),
+    "/pause_generation": (protocol.PauseGenerationRequest, protocol.OperationResult, False),
+    "/continue_generation": (None, protocol.OperationResult, False),
+    "/start_profile": (protocol.StartProfileRequest, protocol.OperationResult, False),
+    "/stop_profile": (None, protocol.OperationResult, False),
+    "/configure_logging": (protocol.ConfigureLoggingRequest, protocol.OperationResult, False),
+    "/get_load": (None, protocol.LoadEntry, False),
     "/v1/responses": (ResponsesRequest, ResponseObject, True),
     "/v1/responses/{response_id}": (None, ResponseObject, False),
     "/v1/embeddings": (protocol.EmbeddingRequest, protocol.EmbeddingResponse, False),
@@ -35,7 +42,10 @@ BODIES: dict[str, tuple[type[BaseModel] | None, type[BaseModel] | None, bool]] =
        for prefix in ("", "/v1")},
 }
 # Routes that answer plain text (or nothing) on success.
-TEXT_ROUTES = {"/metrics", "/flush_cache"}
+TEXT_ROUTES = {"/metrics", "/flush_cache", "/ping"}
+# Routes that answer one result or, for a batch, a list of them; and routes that answer a list.
+ONE_OR_LIST_ROUTES = {"/generate", "/encode"}
+LIST_ROUTES = {"/v1/rerank", "/get_load"}
 SUMMARIES = {
     "/v1/completions": "OpenAI's legacy completions", "/v1/chat/completions": "OpenAI's chat completions",
     "/v1/models": "the served model", "/v1/models/{model}": "one model",
@@ -47,6 +57,12 @@ SUMMARIES = {
     "/tokenize": "a prompt's token ids", "/v1/tokenize": "a prompt's token ids",
     "/detokenize": "the text of token ids", "/v1/detokenize": "the text of token ids",
     "/separate_reasoning": "a text's reasoning and the rest, split by a reasoning parser",
+    "/parse_function_call": "the tool calls in a text, read by a tool-call parser",
+    "/ping": "pong while the scheduler runs", "/get_load": "requests and KV tokens in the scheduler",
+    "/pause_generation": "stop stepping (abort, retract or keep the requests)",
+    "/continue_generation": "step again after a pause",
+    "/start_profile": "record the scheduler's steps with torch.profiler", "/stop_profile": "write the trace",
+    "/configure_logging": "change request logging while serving",
     "/v1/score": "label tokens' probabilities after a query and each item",
     "/v1/rerank": "documents by relevance to a query (an embedding server)",
     "/v1/embeddings": "OpenAI's embeddings (an embedding server)", "/encode": "SGLang's embeddings (an embedding server)",
@@ -75,8 +91,10 @@ def openapi_document(routes: list[Route], context: ServerContext) -> dict[str, A
                 content["application/json"] = {"schema": {"type": "object"}}
             elif response is not None:
                 body = _ref(response)
-                if path == "/generate":   # a batch answers a list of results
+                if path in ONE_OR_LIST_ROUTES:
                     body = {"anyOf": [body, {"type": "array", "items": body}]}
+                elif path in LIST_ROUTES:
+                    body = {"type": "array", "items": body}
                 content["application/json"] = {"schema": body}
             elif path in TEXT_ROUTES:
                 content["text/plain"] = {"schema": {"type": "string"}}
@@ -95,7 +113,7 @@ def openapi_document(routes: list[Route], context: ServerContext) -> dict[str, A
             if "{response_id}" in path:
                 operation["parameters"] = [{"name": "response_id", "in": "path", "required": True,
                                             "schema": {"type": "string"}}]
-            if request is not None:
+            if request is not None and method != "GET":
                 operation["requestBody"] = {"required": True, "content": {"application/json": {
                     "schema": _ref(request)}}}
             if context.args.api_key and path not in APIKeyMiddleware.OPEN_PATHS:

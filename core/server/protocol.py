@@ -154,9 +154,35 @@ class GenerateRequest(StrictInput):
 
 
 class AbortRequestBody(StrictInput):
-    """POST /abort_request."""
+    """POST /abort_request: one request by rid, or every request."""
 
-    rid: NonEmptyStr
+    rid: NonEmptyStr | None = None
+    abort_all: bool = False
+
+
+class PauseGenerationRequest(StrictInput):
+    """POST /pause_generation."""
+
+    mode: Literal["abort", "retract", "in_place"] = "abort"
+
+
+class StartProfileRequest(StrictInput):
+    """POST /start_profile: torch.profiler over the scheduler's steps, as a Chrome trace."""
+
+    output_dir: NonEmptyStr | None = None   # default: $SGLANG_TORCH_PROFILER_DIR, else /tmp/srv-profiles
+    num_steps: Annotated[int, Field(ge=1)] | None = None   # stop by itself after this many steps
+    activities: Annotated[list[Literal["CPU", "GPU", "MEM", "CUDA_PROFILER", "RPD"]], Field(min_length=1)] | None = None
+    record_shapes: bool = False
+    with_stack: bool = False
+    profile_id: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,128}$")] | None = None
+
+
+class ConfigureLoggingRequest(StrictInput):
+    """POST /configure_logging: change --log-requests, its level and --crash-dump-folder while serving."""
+
+    log_requests: bool | None = None
+    log_requests_level: Annotated[int, Field(ge=0, le=3)] | None = None
+    crash_dump_folder: str | None = None
 
 
 class TokenizeRequest(StrictInput):
@@ -216,6 +242,42 @@ class SeparateReasoningRequest(StrictInput):
 
     text: str
     reasoning_parser: NonEmptyStr | None = None   # default: --reasoning-parser
+
+
+class OperationResult(BaseModel):
+    """What the operations routes answer (/pause_generation, /start_profile, ...)."""
+
+    success: bool
+    message: str
+    path: str | None = None   # /start_profile and /stop_profile: the trace's file
+
+
+class LoadEntry(BaseModel):
+    """/get_load answers one of these per data-parallel rank."""
+
+    dp_rank: int
+    num_reqs: int
+    num_waiting_reqs: int
+    num_tokens: int
+
+
+class ParseFunctionCallRequest(StrictInput):
+    """POST /parse_function_call (SGLang's): the tool calls in a text, as a tool-call parser reads them."""
+
+    text: str
+    tool_call_parser: NonEmptyStr | None = None   # default: --tool-call-parser
+    tools: list[Tool] | None = None               # each call's tool_index is its place here (-1: none)
+
+
+class ParsedCall(BaseModel):
+    tool_index: int
+    name: str
+    parameters: str   # the arguments, a JSON object as text
+
+
+class ParseFunctionCallResponse(BaseModel):
+    normal_text: str
+    calls: list[ParsedCall]
 
 
 class SeparateReasoningResponse(BaseModel):
