@@ -230,7 +230,7 @@ EXPECTED_NOT_SUPPORTED_YET = {
     "--enable-torch-compile", "--enable-torch-compile-debug-mode", "--enable-piecewise-cuda-graph", "--piecewise-cuda-graph-tokens",
     "--torch-compile-max-bs", "--piecewise-cuda-graph-max-tokens", "--enable-nan-detection",
     "--enable-p2p-check", "--triton-attention-reduce-in-fp32", "--triton-attention-num-kv-splits", "--triton-attention-split-tile-size",
-    "--num-continuous-decode-steps", "--delete-ckpt-after-loading", "--enable-memory-saver", "--enable-weights-cpu-backup",
+    "--num-continuous-decode-steps", "--delete-ckpt-after-loading", "--enable-weights-cpu-backup",
     "--enable-custom-logit-processor", "--flashinfer-mla-disable-ragged", "--disable-shared-experts-fusion",
     "--disable-chunked-prefix-cache", "--disable-fast-image-processor", "--keep-mm-feature-on-device", "--enable-return-hidden-states",
     "--scheduler-recv-interval", "--numa-node", "--enable-layerwise-nvtx-marker", "--enable-attn-tp-input-scattered",

@@ -154,7 +154,6 @@ NOT_SUPPORTED_YET = frozenset({
     "--triton-attention-split-tile-size",
     "--num-continuous-decode-steps",
     "--delete-ckpt-after-loading",
-    "--enable-memory-saver",
     "--enable-weights-cpu-backup",
     "--enable-custom-logit-processor",
     "--flashinfer-mla-disable-ragged",

@@ -56,6 +56,10 @@ def served_dtype(name: str, method: QuantizationMethod | None = None, embedding:
     return torch.bfloat16 if native else torch.float32
 
 
+def _tensor_shapes(model: torch.nn.Module) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    return {name: (tuple(t.shape), t.dtype) for name, t in model.state_dict(keep_vars=True).items()}
+
+
 class ModelRunner:
     def __init__(self, args: Namespace, registry: BackendRegistry,
                  on_model_dir: Callable[[Path], None] | None = None) -> None:
@@ -226,3 +230,45 @@ class ModelRunner:
         if capture_layers and (out.hidden_states is None or out.hidden_states.shape[0] != input_ids.shape[0]):
             raise RuntimeError("the model did not return the hidden states of every new token the batch asked for")
         return out
+
+    # ---- weights at run time (/update_weights_from_disk, /release_memory_occupation) ----------
+
+    def reload_weights(self, model_path: str | None = None, load_format: str | None = None) -> None:
+        """Serve the weights at `model_path` (default: the launch's), which must be a checkpoint of
+        the same shapes; the attention backends, sampler and KV cache stay. The new model is built
+        and loaded whole, as at launch, before it replaces the old one: a checkpoint that fails
+        to load leaves the served one as it was."""
+        args = Namespace(**vars(self.args))
+        if model_path is not None:
+            args.model_path = model_path
+        if load_format is not None:
+            args.load_format = load_format
+        fresh = ModelRunner(args, self.registry)
+        if self.model is not None:
+            mine, theirs = _tensor_shapes(self.model), _tensor_shapes(fresh.model)
+            if mine != theirs or fresh.dtype != self.dtype:
+                differ = sorted(set(mine.items()) ^ set(theirs.items()))[:4]
+                raise ValueError(f"{args.model_path} is not a checkpoint of the served model: its tensors' names, "
+                                 f"shapes or dtype differ ({differ or [fresh.dtype, self.dtype]})")
+        self.model, self.model_dir, self.config = fresh.model, fresh.model_dir, fresh.config
+        self.quantization_name, self.args = fresh.quantization_name, args
+
+    def release_weights(self) -> None:
+        """Drop the weights (their memory goes back); `reload_weights()` brings them back."""
+        self.model = None
+
+    def release_kv_cache(self) -> None:
+        self.kv_cache = None
+
+    def named_weight(self, name: str) -> torch.Tensor:
+        """The served model's tensor `name` as the model holds it (a parameter or buffer; a
+        checkpoint's name works where the model keeps it under the same name, less "model.").
+        Layers repacked for a kernel hold their weights under the kernel's names."""
+        if self.model is None:
+            raise ValueError("the weights are released (/resume_memory_occupation brings them back)")
+        tensors = self.model.state_dict(keep_vars=True)
+        for candidate in (name, name.removeprefix("model.")):
+            if candidate in tensors:
+                return tensors[candidate]
+        near = [n for n in tensors if name.split(".")[-1] in n][:5]
+        raise ValueError(f"the model has no tensor {name!r}" + (f" (some it has: {near})" if near else ""))

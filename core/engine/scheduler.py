@@ -123,6 +123,9 @@ class Scheduler:
         self.crash_on_nan = str(args.crash_on_nan).lower() in ("true", "1", "yes")
         self.waiting: list[Req] = []
         self.running: list[Req] = []
+        # While set, waiting requests are not admitted (the running ones go on): a weight update
+        # waits for the running requests to end.
+        self.hold_admission = False
         self.failed: list[Req] = []     # ended by an error since the loop last asked
         self._in_step: list[Req] = []   # what the current step scheduled or is admitting
         self.stats = SchedulerStats()
@@ -340,6 +343,8 @@ class Scheduler:
             if self.runner.is_embedding and scheduled and req.seq_len - req.kv_len > budget:
                 break   # an embedding runs its prompt whole (one pass): in a step of its own
             if req.row is None:
+                if self.hold_admission:
+                    break
                 if self._shares_uncached_prefix(req, [item.req for item in scheduled]):
                     continue
                 if not self._try_admit(req, budget, [item.req for item in scheduled]):
@@ -555,3 +560,11 @@ class Scheduler:
         if self.has_work:
             return False
         return True if self.tree is None else self.tree.flush()
+
+    def drop_prefix_cache(self) -> None:
+        """Empty the prefix cache, its KV made by weights no longer served (no request may be
+        running; waiting ones hold nothing of it)."""
+        if self.running:
+            raise RuntimeError("the prefix cache cannot be dropped while requests run")
+        if self.tree is not None:
+            self.tree.flush()

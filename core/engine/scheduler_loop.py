@@ -12,7 +12,7 @@ import collections
 import logging
 import os
 import time
-from typing import Any
+from typing import Any, Callable
 
 from srv.engine.io import AbortRequest, ControlRequest, ControlResult, GenerateRequest, RequestOutput
 from srv.engine.profiler import StepProfiler
@@ -24,6 +24,14 @@ Message = GenerateRequest | AbortRequest | ControlRequest
 logger = logging.getLogger("srv.scheduler")
 THROUGHPUT_WINDOW_S = 5.0
 PAUSE_MODES = ("abort", "retract", "in_place")
+MEMORY_TAGS = ("kv_cache", "weights")
+
+
+class WhenIdle:
+    """A control method's answer to be computed once no request runs (`action()`)."""
+
+    def __init__(self, action: Callable[[], Any]) -> None:
+        self.action = action
 
 
 class SchedulerLoop:
@@ -35,6 +43,9 @@ class SchedulerLoop:
         self.paused = False              # /pause_generation: no steps until /continue_generation
         self.profiler = StepProfiler()
         self._control_outputs: list[RequestOutput] = []   # what a control call ended (aborted requests)
+        # A control call that waits for the running requests to end: (call id, what to do then).
+        self._deferred: tuple[int, Callable[[], Any]] | None = None
+        self.released: set[str] = set()   # what /release_memory_occupation dropped ("weights", "kv_cache")
 
     @property
     def has_work(self) -> bool:
@@ -58,15 +69,40 @@ class SchedulerLoop:
         if method is None:
             raise ValueError(f"unknown control method {message.method!r}")
         try:
-            result = ControlResult(message.call_id, method(**message.args))
+            value = method(**message.args)
+            if isinstance(value, WhenIdle):
+                if self._deferred is not None:
+                    raise ValueError("a weight update is already waiting for the running requests")
+                self._deferred = (message.call_id, value.action)
+                self.scheduler.hold_admission = True
+                return self._run_deferred()
+            result = ControlResult(message.call_id, value)
         except ValueError as exc:   # the caller's mistake (a bad mode, a profile already running)
             result = ControlResult(message.call_id, None, str(exc))
         outputs, self._control_outputs = self._control_outputs, []
         return [*outputs, result]
 
-    def step(self) -> list[RequestOutput]:
+    def _run_deferred(self) -> list[RequestOutput | ControlResult]:
+        """The deferred control call's result, once no request runs (none before)."""
+        outputs, self._control_outputs = self._control_outputs, []
+        if self._deferred is None or self.scheduler.running:
+            return outputs
+        (call_id, action), self._deferred = self._deferred, None
+        self.scheduler.hold_admission = False
+        try:
+            result = ControlResult(call_id, action())
+        except Exception as exc:   # a checkpoint that does not load: the served weights stay
+            logger.exception("the control call failed")
+            result = ControlResult(call_id, None, f"{type(exc).__name__}: {exc}")
+        return [*outputs, result]
+
+    def step(self) -> list[RequestOutput | ControlResult]:
         if self.paused:
             return []
+        if self._deferred is not None:
+            deferred = self._run_deferred()
+            if deferred:
+                return deferred
         try:
             stepped = self.scheduler.step()
         except FloatingPointError:   # --crash-on-nan asks for the process to end
@@ -128,16 +164,21 @@ class SchedulerLoop:
             raise ValueError(f"mode {mode!r} is not one of {', '.join(PAUSE_MODES)}")
         scheduler = self.scheduler
         if mode == "abort":
-            for req in [*scheduler.running, *scheduler.waiting]:
-                scheduler.abort(req.rid)
-                self._control_outputs.append(self._output(req))
+            self._abort_all()
         elif mode == "retract":
             scheduler.retract_all("generation paused")
         self.paused = True
         logger.info("generation paused (%s)", mode)
         return True
 
+    def _abort_all(self) -> None:
+        for req in [*self.scheduler.running, *self.scheduler.waiting]:
+            self.scheduler.abort(req.rid)
+            self._control_outputs.append(self._output(req))
+
     def control_continue_generation(self) -> bool:
+        if self.released:
+            raise ValueError("the memory is released: /resume_memory_occupation first")
         self.paused = False
         logger.info("generation continues")
         return True
@@ -146,6 +187,60 @@ class SchedulerLoop:
         scheduler = self.scheduler
         return {"num_reqs": len(scheduler.running) + len(scheduler.waiting), "num_waiting_reqs": len(scheduler.waiting),
                 "num_tokens": scheduler.kv_tokens_in_use()}
+
+    def control_update_weights_from_disk(self, model_path: str | None = None, load_format: str | None = None,
+                                         abort_all_requests: bool = False) -> WhenIdle:
+        """New weights from disk, once the running requests end (or at once, aborting every
+        request); meanwhile waiting requests are not admitted. The prefix cache is emptied."""
+        if self.released:
+            raise ValueError("the memory is released: /resume_memory_occupation first")
+        if abort_all_requests:
+            self._abort_all()
+
+        def update() -> dict[str, Any]:
+            started = time.monotonic()
+            self.scheduler.runner.reload_weights(model_path, load_format)
+            self.scheduler.drop_prefix_cache()
+            message = f"weights loaded from {model_path or 'the launch path'} in {time.monotonic() - started:.1f}s"
+            logger.info("%s", message)
+            return {"success": True, "message": message}
+
+        return WhenIdle(update)
+
+    def control_get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[float]:
+        return self.scheduler.runner.named_weight(name).detach().flatten()[:truncate_size].float().tolist()
+
+    def control_release_memory_occupation(self, tags: list[str] | None = None) -> bool:
+        """Drop the KV cache and/or the weights (all, by default) of an idle server; generation
+        waits until they are resumed."""
+        tags = set(tags or MEMORY_TAGS)
+        if tags - set(MEMORY_TAGS):
+            raise ValueError(f"tags {sorted(tags - set(MEMORY_TAGS))} are not among {', '.join(MEMORY_TAGS)}")
+        scheduler = self.scheduler
+        if scheduler.running or scheduler.waiting:
+            raise ValueError("requests are running or waiting: the memory can be released only when idle")
+        runner = scheduler.runner
+        if "kv_cache" in tags:
+            scheduler.drop_prefix_cache()
+            runner.release_kv_cache()
+        if "weights" in tags:
+            runner.release_weights()
+        self.released |= tags
+        self.paused = True
+        logger.info("memory released: %s", ", ".join(sorted(self.released)))
+        return True
+
+    def control_resume_memory_occupation(self, tags: list[str] | None = None) -> bool:
+        tags = set(tags or MEMORY_TAGS) & self.released
+        runner = self.scheduler.runner
+        if "weights" in tags:
+            runner.reload_weights()
+        if "kv_cache" in tags:
+            runner.allocate_kv_cache(self.scheduler.allocator.num_slots)
+        self.released -= tags
+        self.paused = bool(self.released)
+        logger.info("memory resumed: %s", ", ".join(sorted(tags)) or "nothing was released")
+        return True
 
     def control_start_profile(self, **options: Any) -> str:
         return self.profiler.start(**options)

@@ -41,13 +41,12 @@ def make_worker(args: Namespace, runner: ModelRunner, registry: BackendRegistry,
     def load_draft_model(path: str) -> DraftModel:
         return EngineDraftModel(args, registry, path, capacity or runner.kv_capacity_tokens())
 
-    model = runner.model
-
+    # runner.model at each call: /update_weights_from_disk replaces it.
     def target_head(hidden: torch.Tensor) -> torch.Tensor:
-        return model.lm_head(hidden.to(runner.dtype)).float()
+        return runner.model.lm_head(hidden.to(runner.dtype)).float()
 
     def target_embed(ids: torch.Tensor) -> torch.Tensor:
-        return model.embed_tokens(ids).float()
+        return runner.model.embed_tokens(ids).float()
 
     context = SpeculativeContext(config, runner.config.vocab_size, args, load_draft_model, runner.config,
                                  target_embed, target_head)

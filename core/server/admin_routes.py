@@ -9,19 +9,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from srv.server.app import APIError, ServerContext, read_body
+from srv.server.app import ServerContext, read_body, read_optional_body
 from srv.server.protocol import ConfigureLoggingRequest, PauseGenerationRequest, StartProfileRequest
 
 
 class AdminRoutes:
     def __init__(self, context: ServerContext) -> None:
         self.context = context
-
-    async def _optional_body(self, request: Request, schema):
-        """The body, or the schema's defaults when the request sends none (a bare POST or a GET)."""
-        if request.method == "GET" or not (await request.body()).strip():
-            return schema()
-        return await read_body(request, schema, self.context)
 
     async def ping(self, request: Request) -> Response:
         return PlainTextResponse("pong" if self.context.alive() else "", status_code=200 if self.context.alive() else 503)
@@ -31,7 +25,7 @@ class AdminRoutes:
         return JSONResponse([{"dp_rank": 0, **load}])
 
     async def pause_generation(self, request: Request) -> Response:
-        body = await self._optional_body(request, PauseGenerationRequest)
+        body = await read_optional_body(request, PauseGenerationRequest, self.context)
         await self.context.frontend.control("pause_generation", mode=body.mode)
         return JSONResponse({"success": True, "message": f"generation paused ({body.mode})"})
 
@@ -40,7 +34,7 @@ class AdminRoutes:
         return JSONResponse({"success": True, "message": "generation continues"})
 
     async def start_profile(self, request: Request) -> Response:
-        body = await self._optional_body(request, StartProfileRequest)
+        body = await read_optional_body(request, StartProfileRequest, self.context)
         path = await self.context.frontend.control("start_profile", **body.model_dump(exclude_none=True))
         return JSONResponse({"success": True, "message": f"profiling; the trace goes to {path}", "path": path})
 

@@ -67,6 +67,7 @@ class ServerContext:
     # Any installed parser by name (/separate_reasoning and /parse_function_call name one).
     reasoning_parsers: Callable[[str], ReasoningParser] | None = None
     tool_parsers: Callable[[str], ToolCallParser] | None = None
+    weight_version: str = "default"   # the served weights' label (/update_weight_version)
 
     @property
     def tokenizer(self) -> Any:
@@ -127,6 +128,13 @@ async def read_body(request: Request, schema: type[Body], context: ServerContext
     if len(raw) > OFF_LOOP_BODY_BYTES:
         return await context.frontend.off_loop(parse_body, schema, raw)
     return parse_body(schema, raw)
+
+
+async def read_optional_body(request: Request, schema: type[Body], context: ServerContext) -> Body:
+    """`read_body`, or the schema's defaults when the request sends no body (a GET, a bare POST)."""
+    if request.method == "GET" or not (await request.body()).strip():
+        return schema()
+    return await read_body(request, schema, context)
 
 
 def parse_body(schema: type[Body], raw: bytes) -> Body:
@@ -312,6 +320,7 @@ def build_app(context: ServerContext, plugin_routes: list[tuple[str, Any, list[s
     from srv.server.embedding_routes import embedding_routes
     from srv.server.score_routes import score_routes
     from srv.server.admin_routes import admin_routes
+    from srv.server.weights_routes import weights_routes
     from srv.server.openai_routes import openai_routes
 
     from srv.server.openapi import openapi_route
@@ -328,7 +337,7 @@ def build_app(context: ServerContext, plugin_routes: list[tuple[str, Any, list[s
         return error_response(exc)
 
     routes = [*openai_routes(context), *native_routes(context), *embedding_routes(context), *score_routes(context),
-              *admin_routes(context),
+              *admin_routes(context), *weights_routes(context),
               *(Route(path, endpoint, methods=methods) for path, endpoint, methods in plugin_routes)]
     routes.append(openapi_route(routes, context))
     return Starlette(routes=routes, middleware=[Middleware(ErrorBoundary),

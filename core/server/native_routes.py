@@ -125,7 +125,8 @@ class NativeRoutes:
         return JSONResponse({"model_path": args.model_path or self.context.model_name,
                              "tokenizer_path": args.tokenizer_path or self.context.model_info.get("model_dir"),
                              "is_generation": self.context.model_info.get("is_generation", True),
-                             "served_model_name": self.context.model_name, **self.context.model_info})
+                             "served_model_name": self.context.model_name, "weight_version": self.context.weight_version,
+                             **self.context.model_info})
 
     async def get_server_info(self, request: Request) -> Response:
         status = await self.context.frontend.control("status")

@@ -29,6 +29,11 @@ BODIES: dict[str, tuple[type[BaseModel] | None, type[BaseModel] | None, bool]] =
     "/stop_profile": (None, protocol.OperationResult, False),
     "/configure_logging": (protocol.ConfigureLoggingRequest, protocol.OperationResult, False),
     "/get_load": (None, protocol.LoadEntry, False),
+    "/update_weights_from_disk": (protocol.UpdateWeightsFromDiskRequest, protocol.OperationResult, False),
+    "/get_weights_by_name": (protocol.GetWeightsByNameRequest, None, False),
+    "/update_weight_version": (protocol.UpdateWeightVersionRequest, protocol.OperationResult, False),
+    "/release_memory_occupation": (protocol.MemoryOccupationRequest, protocol.OperationResult, False),
+    "/resume_memory_occupation": (protocol.MemoryOccupationRequest, protocol.OperationResult, False),
     "/v1/responses": (ResponsesRequest, ResponseObject, True),
     "/v1/responses/{response_id}": (None, ResponseObject, False),
     "/v1/embeddings": (protocol.EmbeddingRequest, protocol.EmbeddingResponse, False),
@@ -46,6 +51,8 @@ TEXT_ROUTES = {"/metrics", "/flush_cache", "/ping"}
 # Routes that answer one result or, for a batch, a list of them; and routes that answer a list.
 ONE_OR_LIST_ROUTES = {"/generate", "/encode"}
 LIST_ROUTES = {"/v1/rerank", "/get_load"}
+# Routes that answer a list of numbers.
+NUMBER_LIST_ROUTES = {"/get_weights_by_name"}
 SUMMARIES = {
     "/v1/completions": "OpenAI's legacy completions", "/v1/chat/completions": "OpenAI's chat completions",
     "/v1/models": "the served model", "/v1/models/{model}": "one model",
@@ -63,6 +70,11 @@ SUMMARIES = {
     "/continue_generation": "step again after a pause",
     "/start_profile": "record the scheduler's steps with torch.profiler", "/stop_profile": "write the trace",
     "/configure_logging": "change request logging while serving",
+    "/update_weights_from_disk": "serve another checkpoint of the same model",
+    "/get_weights_by_name": "the first values of a parameter",
+    "/update_weight_version": "label the served weights",
+    "/release_memory_occupation": "drop the KV cache and weights of an idle server (--enable-memory-saver)",
+    "/resume_memory_occupation": "restore what was dropped",
     "/v1/score": "label tokens' probabilities after a query and each item",
     "/v1/rerank": "documents by relevance to a query (an embedding server)",
     "/v1/embeddings": "OpenAI's embeddings (an embedding server)", "/encode": "SGLang's embeddings (an embedding server)",
@@ -96,6 +108,8 @@ def openapi_document(routes: list[Route], context: ServerContext) -> dict[str, A
                 elif path in LIST_ROUTES:
                     body = {"type": "array", "items": body}
                 content["application/json"] = {"schema": body}
+            elif path in NUMBER_LIST_ROUTES:
+                content["application/json"] = {"schema": {"type": "array", "items": {"type": "number"}}}
             elif path in TEXT_ROUTES:
                 content["text/plain"] = {"schema": {"type": "string"}}
             elif method == "GET" and path.startswith("/get_"):

@@ -244,6 +244,35 @@ class SeparateReasoningRequest(StrictInput):
     reasoning_parser: NonEmptyStr | None = None   # default: --reasoning-parser
 
 
+class UpdateWeightsFromDiskRequest(StrictInput):
+    """POST /update_weights_from_disk: serve another checkpoint of the same model."""
+
+    model_path: NonEmptyStr
+    load_format: NonEmptyStr | None = None
+    abort_all_requests: bool = False   # else the running requests finish first
+    weight_version: NonEmptyStr | None = None
+
+
+class GetWeightsByNameRequest(StrictInput):
+    """POST /get_weights_by_name: the first values of one parameter, flattened."""
+
+    name: NonEmptyStr
+    truncate_size: Annotated[int, Field(ge=1, le=1_000_000)] = 100
+
+
+class UpdateWeightVersionRequest(StrictInput):
+    """POST /update_weight_version: the label of the served weights."""
+
+    new_version: NonEmptyStr
+    abort_all_requests: bool = False
+
+
+class MemoryOccupationRequest(StrictInput):
+    """POST /release_memory_occupation and /resume_memory_occupation (--enable-memory-saver)."""
+
+    tags: Annotated[list[Literal["kv_cache", "weights"]], Field(min_length=1)] | None = None   # default: both
+
+
 class OperationResult(BaseModel):
     """What the operations routes answer (/pause_generation, /start_profile, ...)."""
 
