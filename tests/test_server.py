@@ -646,3 +646,42 @@ def test_parse_function_call_route(server):
     answer = post(server, "/parse_function_call", {"text": kimi, "tool_call_parser": "kimi_k2", "tools": tools}).json()
     assert [(c["name"], json.loads(c["parameters"])) for c in answer["calls"]] == [("get_weather", {"city": "Rome"})]
     assert post(server, "/parse_function_call", {"text": "x", "tool_call_parser": "nope"}).status_code == 400
+
+
+# ---- sessions -------------------------------------------------------------------------------------
+
+
+def test_a_session_continues_its_turns_and_keeps_their_kv(server):
+    sid = post(server, "/open_session", {"capacity_of_str_len": 400}).json()
+    first_ids, more = list(range(1000, 1040)), list(range(2000, 2010))
+    params = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+
+    def turn(ids, **session):
+        return post(server, "/generate", {"input_ids": ids, "sampling_params": params,
+                                          "session_params": {"id": sid, **session}}).json()
+
+    def plain(ids):
+        return post(server, "/generate", {"input_ids": ids, "sampling_params": params}).json()["output_ids"]
+
+    first = turn(first_ids)
+    assert first["output_ids"] == plain(first_ids)
+    second = turn(more)   # continues the latest turn: its prompt and output, then the new ids
+    context = first_ids + first["output_ids"] + more
+    assert second["meta_info"]["prompt_tokens"] == len(context) and second["output_ids"] == plain(context)
+    assert second["meta_info"]["cached_tokens"] >= 32
+    # A branch from the first turn without its output, and one cut at an offset.
+    branch = turn(more, rid=first["meta_info"]["id"], drop_previous_output=True)
+    assert branch["meta_info"]["prompt_tokens"] == len(first_ids + more)
+    cut = turn(more, rid=first["meta_info"]["id"], offset=10)
+    assert cut["output_ids"] == plain(first_ids[:10] + more)
+    # The latest turn's KV is locked in the prefix cache: no flush while the session is open.
+    assert post(server, "/flush_cache", b"").status_code == 400
+    for body, param in [({"input_ids": more, "session_params": {"id": "nope"}}, "session_params"),
+                        ({"input_ids": list(range(3000, 3400)), "session_params": {"id": sid}}, "session_params"),
+                        ({"input_ids": [more, more], "session_params": {"id": sid}}, "session_params"),
+                        ({"input_ids": more, "sampling_params": {"n": 2}, "session_params": {"id": sid}}, "n")]:
+        answer = post(server, "/generate", body)
+        assert answer.status_code == 400 and answer.json()["error"]["param"] == param, answer.text
+    assert post(server, "/close_session", {"session_id": sid}).status_code == 200
+    assert post(server, "/close_session", {"session_id": sid}).status_code == 400
+    assert post(server, "/flush_cache", b"").status_code == 200

@@ -24,6 +24,7 @@ from srv.engine.limits import RequestLimits
 from srv.engine.params import (InvalidRequest, SamplingParamsInput, choice_seed, make_sampling_params,
                                max_new_tokens_given)
 from srv.engine.request_state import RequestState
+from srv.engine.sessions import Sessions, SessionParams
 from srv.engine.tokenizer import TokenizerPool
 from srv.sdk.sampling import SamplingParams
 
@@ -79,6 +80,7 @@ class Frontend:
         self._calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
         self._not_started: set[str] = set()
+        self.sessions = Sessions()
         self.dead: str | None = None
         # Called with (state, output) after every update: the server's metrics, logs and traces.
         self.observers: list[Callable[[RequestState, RequestOutput], None]] = []
@@ -171,13 +173,15 @@ class Frontend:
                             f"(--max-queued-requests {limit})")
 
     def _submit(self, input_ids: list[int], params: SamplingParams, priority: int | None,
-                rid: str | None = None, labels: dict[str, str] | None = None) -> RequestState:
+                rid: str | None = None, labels: dict[str, str] | None = None,
+                session: SessionParams | None = None) -> RequestState:
         if rid is not None and rid in self._queues:
             raise InvalidRequest(f"a request with rid {rid!r} is already running", "rid")
         state = RequestState(rid or uuid.uuid4().hex, input_ids, params, self.tokenizer, labels)
+        state.session = session
         self._queues[state.rid] = asyncio.Queue()
         self._not_started.add(state.rid)
-        self.send(GenerateRequest(state.rid, input_ids, params, priority or 0))
+        self.send(GenerateRequest(state.rid, input_ids, params, priority or 0, session.id if session else None))
         return state
 
     async def _follow(self, state: RequestState, interval: int = 1) -> AsyncIterator[RequestState]:
@@ -198,6 +202,9 @@ class Frontend:
                     pending = 0
                     yield state
         finally:
+            if state.session is not None and state.finished and state.error is None \
+                    and state.finish_reason != "abort":
+                self.sessions.record(state.session, state.rid, state.prompt_ids, state.output_ids)
             self._drop(state)
 
     def _drop(self, state: RequestState) -> None:
@@ -216,13 +223,22 @@ class Frontend:
 
     async def submit(self, prompts: list[str | None], input_ids: list[list[int] | None],
                      raw_params: list[RawParams], priority: int | None = None,
-                     labels: dict[str, str] | None = None, rid: str | None = None) -> list[list[RequestState]]:
+                     labels: dict[str, str] | None = None, rid: str | None = None,
+                     session: SessionParams | None = None) -> list[list[RequestState]]:
         """Queue every prompt, n choices each; returns their states as they start. Each choice
         is a request of its own, with a seed of its own when the prompt has one (the choices are
         independent samples, the same again for the same seed). The prompt of an n > 1 request is
         prefilled once first, so its choices find it in the prefix cache. Either every request of
-        the call is queued or none is; the caller follows them (`follow`) or `release`s them."""
+        the call is queued or none is; the caller follows them (`follow`) or `release`s them.
+        With `session`, the one prompt is a turn of that session (srv.engine.sessions)."""
+        if session is not None:
+            if len(prompts) != 1:
+                raise InvalidRequest("a session's turn is one prompt", "session_params")
+            new_ids = await self.tokenize(prompts[0], input_ids[0])
+            prompts, input_ids = [None], [self.sessions.prompt(session, new_ids)]
         prepared = [await self.prepare(p, i, r) for p, i, r in zip(prompts, input_ids, raw_params)]
+        if session is not None and prepared[0][1].n != 1:
+            raise InvalidRequest("a session's turn takes n = 1", "n")
         choices = sum(params.n for _, params in prepared)
         self._check_can_submit(priority, choices + sum(params.n > 1 and params.logprob_start_len < 0
                                                        for _, params in prepared))
@@ -236,7 +252,7 @@ class Frontend:
             for i in range(params.n):
                 own_rid = rid if rid is None or choices == 1 else f"{rid}_{index}"
                 group.append(self._submit(ids, replace(params, n=1, seed=choice_seed(params.seed, i)), priority,
-                                          own_rid, labels))
+                                          own_rid, labels, session))
                 index += 1
             groups.append(group)
         return groups
@@ -296,9 +312,11 @@ class Frontend:
 
     async def stream(self, prompt: str | None, input_ids: list[int] | None, raw_params: RawParams,
                      priority: int | None = None, interval: int = 1, rid: str | None = None,
-                     labels: dict[str, str] | None = None) -> AsyncIterator[RequestState]:
+                     labels: dict[str, str] | None = None,
+                     session: SessionParams | None = None) -> AsyncIterator[RequestState]:
         """One request (n = 1), its state after each update. Checks run before the first yield."""
-        [[state]] = await self.submit([prompt], [input_ids], [_one_choice(raw_params)], priority, labels, rid)
+        [[state]] = await self.submit([prompt], [input_ids], [_one_choice(raw_params)], priority, labels, rid,
+                                      session)
         return self._follow(state, interval)
 
     async def generate(self, prompts: list[str | None], input_ids: list[list[int] | None],
@@ -323,6 +341,14 @@ class Frontend:
 
     def abort(self, rid: str) -> None:
         self.send(AbortRequest(rid))
+
+    def open_session(self, capacity: int, session_id: str | None = None) -> str:
+        return self.sessions.open(capacity, session_id)
+
+    async def close_session(self, session_id: str) -> None:
+        """Forget the session's turns and let the scheduler's prefix cache evict their KV."""
+        self.sessions.close(session_id)
+        await self.control("close_session", session_id=session_id)
 
     def abort_all(self) -> int:
         """Abort every request the front end follows; returns how many."""

@@ -18,6 +18,7 @@ class GenerateRequest:
     input_ids: list[int]
     params: SamplingParams
     priority: int = 0
+    session_id: str | None = None   # the session whose latest turn this is (its KV stays cached)
 
 
 @dataclass

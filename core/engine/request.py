@@ -54,6 +54,7 @@ class Req:
     error: str | None = None        # why the scheduler failed this request (it ends as ABORT)
     skipped_since: float | None = None   # when admission first passed it over for lack of KV memory
     embedding: list[float] | None = None  # the pooled prompt, on an embedding server
+    session_id: str | None = None         # a session's turn: its KV stays locked in the prefix cache
 
     @property
     def token_ids(self) -> list[int]:

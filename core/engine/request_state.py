@@ -31,6 +31,7 @@ class RequestState:
         self.error: str | None = None
         self.cached_tokens = 0
         self.embedding: list[float] | None = None
+        self.session: Any = None   # the SessionParams of a session's turn
         self.text = ""
         self._detokenizer = IncrementalDetokenizer.for_request(tokenizer, params) if tokenizer is not None else None
 

@@ -126,6 +126,8 @@ class Scheduler:
         # While set, waiting requests are not admitted (the running ones go on): a weight update
         # waits for the running requests to end.
         self.hold_admission = False
+        # Each session's latest turn, locked in the prefix cache until the next turn or the close.
+        self.session_nodes: dict[str, Any] = {}
         self.failed: list[Req] = []     # ended by an error since the loop last asked
         self._in_step: list[Req] = []   # what the current step scheduled or is admitting
         self.stats = SchedulerStats()
@@ -262,6 +264,8 @@ class Scheduler:
             self.allocator.free_slots(slots[req.cached_prefix_len: already])
             self.allocator.free_slots(slots[aligned:])
             self.tree.unlock(req.cache_node)
+            if req.session_id is not None and req.finished:
+                self._pin_session(req.session_id, req.token_ids[:aligned])
         else:
             self.allocator.free_slots(slots)
         self.req_pool.free(req.row)
@@ -563,8 +567,21 @@ class Scheduler:
 
     def drop_prefix_cache(self) -> None:
         """Empty the prefix cache, its KV made by weights no longer served (no request may be
-        running; waiting ones hold nothing of it)."""
+        running; waiting ones hold nothing of it); sessions compute their next turn whole."""
         if self.running:
             raise RuntimeError("the prefix cache cannot be dropped while requests run")
+        for session_id in list(self.session_nodes):
+            self.unpin_session(session_id)
         if self.tree is not None:
             self.tree.flush()
+
+    def _pin_session(self, session_id: str, tokens: list[int]) -> None:
+        _, node = self.tree.match_prefix(tokens)
+        self.tree.lock(node)
+        self.unpin_session(session_id)
+        self.session_nodes[session_id] = node
+
+    def unpin_session(self, session_id: str) -> None:
+        node = self.session_nodes.pop(session_id, None)
+        if node is not None:
+            self.tree.unlock(node)

@@ -53,7 +53,8 @@ class SchedulerLoop:
 
     def handle(self, message: Message) -> list[RequestOutput | ControlResult]:
         if isinstance(message, GenerateRequest):
-            req = Req(message.rid, message.input_ids, message.params, priority=message.priority)
+            req = Req(message.rid, message.input_ids, message.params, priority=message.priority,
+                      session_id=message.session_id)
             try:
                 self.scheduler.add(req)
             except Exception as exc:
@@ -240,6 +241,10 @@ class SchedulerLoop:
         self.released -= tags
         self.paused = bool(self.released)
         logger.info("memory resumed: %s", ", ".join(sorted(tags)) or "nothing was released")
+        return True
+
+    def control_close_session(self, session_id: str) -> bool:
+        self.scheduler.unpin_session(session_id)
         return True
 
     def control_start_profile(self, **options: Any) -> str:

@@ -1,6 +1,6 @@
 """SGLang's native routes: /generate, /health, /health_generate, /get_model_info,
 /get_server_info, /flush_cache, /abort_request, /separate_reasoning, /parse_function_call,
-/tokenize and /detokenize (also under /v1/)."""
+/open_session and /close_session, /tokenize and /detokenize (also under /v1/)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,10 @@ from srv.engine.request_state import RequestState
 from srv.engine.params import SamplingParamsInput
 from srv.server.app import (APIError, ServerContext, Step, check_choices, checked, event_stream, read_body,
                             until_done)
-from srv.server.protocol import (AbortRequestBody, DetokenizeRequest, GenerateRequest, ParseFunctionCallRequest,
-                                 SeparateReasoningRequest, TokenizeRequest)
+from srv.engine.sessions import SessionParams
+from srv.server.protocol import (AbortRequestBody, CloseSessionRequest, DetokenizeRequest, GenerateRequest,
+                                 OpenSessionRequest, ParseFunctionCallRequest, SeparateReasoningRequest,
+                                 TokenizeRequest)
 
 
 class NativeRoutes:
@@ -97,7 +99,11 @@ class NativeRoutes:
         params = [self._params(body, p) for p in (given if isinstance(given, list) else [given] * count)]
         check_choices(count, max((p.n or 1) for p in params))
         frontend = self.context.frontend
-        groups = await frontend.submit(texts, idss, params, body.priority, self.context.labels(request), body.rid)
+        session = SessionParams(**body.session_params.model_dump()) if body.session_params is not None else None
+        if session is not None and batched:
+            raise APIError("a session's turn is one prompt", param="session_params")
+        groups = await frontend.submit(texts, idss, params, body.priority, self.context.labels(request), body.rid,
+                                       session)
         single = not batched and len(groups[0]) == 1
         if body.stream:
             return self._stream(groups, body, single)
@@ -139,7 +145,7 @@ class NativeRoutes:
     async def flush_cache(self, request: Request) -> Response:
         if await self.context.frontend.control("flush_cache"):
             return PlainTextResponse("Cache flushed.\n")
-        raise APIError("cannot flush the cache while requests are running")
+        raise APIError("cannot flush the cache while requests are running or open sessions hold their KV")
 
     async def metrics(self, request: Request) -> Response:
         body, content_type = self.context.metrics.exposition(await self.context.frontend.control("status"))
@@ -200,6 +206,15 @@ class NativeRoutes:
             {"tool_index": names.index(call.name) if call.name in names else -1, "name": call.name,
              "parameters": call.arguments} for call in calls]})
 
+    async def open_session(self, request: Request) -> Response:
+        body = await read_body(request, OpenSessionRequest, self.context)
+        return JSONResponse(self.context.frontend.open_session(body.capacity_of_str_len, body.session_id))
+
+    async def close_session(self, request: Request) -> Response:
+        body = await read_body(request, CloseSessionRequest, self.context)
+        await self.context.frontend.close_session(body.session_id)
+        return Response(status_code=200)
+
     async def abort_request(self, request: Request) -> Response:
         body = await read_body(request, AbortRequestBody, self.context)
         if body.abort_all:
@@ -224,6 +239,8 @@ def native_routes(context: ServerContext) -> list[Route]:
         Route("/abort_request", routes.abort_request, methods=["POST"]),
         Route("/separate_reasoning", routes.separate_reasoning, methods=["POST"]),
         Route("/parse_function_call", routes.parse_function_call, methods=["POST"]),
+        Route("/open_session", routes.open_session, methods=["POST"]),
+        Route("/close_session", routes.close_session, methods=["POST"]),
         *(Route(f"{prefix}/{name}", getattr(routes, name), methods=["POST"])
           for prefix in ("", "/v1") for name in ("tokenize", "detokenize")),
     ]

@@ -23,6 +23,8 @@ BODIES: dict[str, tuple[type[BaseModel] | None, type[BaseModel] | None, bool]] =
     "/abort_request": (protocol.AbortRequestBody, None, False),
     "/separate_reasoning": (protocol.SeparateReasoningRequest, protocol.SeparateReasoningResponse, False),
     "/parse_function_call": (protocol.ParseFunctionCallRequest, protocol.ParseFunctionCallResponse, False),
+    "/open_session": (protocol.OpenSessionRequest, None, False),
+    "/close_session": (protocol.CloseSessionRequest, None, False),
     "/pause_generation": (protocol.PauseGenerationRequest, protocol.OperationResult, False),
     "/continue_generation": (None, protocol.OperationResult, False),
     "/start_profile": (protocol.StartProfileRequest, protocol.OperationResult, False),
@@ -53,6 +55,7 @@ ONE_OR_LIST_ROUTES = {"/generate", "/encode"}
 LIST_ROUTES = {"/v1/rerank", "/get_load"}
 # Routes that answer a list of numbers.
 NUMBER_LIST_ROUTES = {"/get_weights_by_name"}
+STRING_ROUTES = {"/open_session"}   # answer a JSON string
 SUMMARIES = {
     "/v1/completions": "OpenAI's legacy completions", "/v1/chat/completions": "OpenAI's chat completions",
     "/v1/models": "the served model", "/v1/models/{model}": "one model",
@@ -65,6 +68,7 @@ SUMMARIES = {
     "/detokenize": "the text of token ids", "/v1/detokenize": "the text of token ids",
     "/separate_reasoning": "a text's reasoning and the rest, split by a reasoning parser",
     "/parse_function_call": "the tool calls in a text, read by a tool-call parser",
+    "/open_session": "a session whose turns continue each other (its id)", "/close_session": "end a session",
     "/ping": "pong while the scheduler runs", "/get_load": "requests and KV tokens in the scheduler",
     "/pause_generation": "stop stepping (abort, retract or keep the requests)",
     "/continue_generation": "step again after a pause",
@@ -108,6 +112,8 @@ def openapi_document(routes: list[Route], context: ServerContext) -> dict[str, A
                 elif path in LIST_ROUTES:
                     body = {"type": "array", "items": body}
                 content["application/json"] = {"schema": body}
+            elif path in STRING_ROUTES:
+                content["application/json"] = {"schema": {"type": "string"}}
             elif path in NUMBER_LIST_ROUTES:
                 content["application/json"] = {"schema": {"type": "array", "items": {"type": "number"}}}
             elif path in TEXT_ROUTES:

@@ -135,6 +135,29 @@ class ChatCompletionRequest(SamplingFields):
     stream_reasoning: bool = True
 
 
+class SessionParamsInput(StrictInput):
+    """`session_params` of /generate: this prompt is a turn of an open session (see srv.engine.sessions)."""
+
+    id: NonEmptyStr
+    rid: NonEmptyStr | None = None     # the turn it continues (default: the session's latest)
+    offset: Annotated[int, Field(ge=0)] | None = None   # keep this many tokens of that turn's context
+    replace: bool = False              # drop the other turns branching from the same one
+    drop_previous_output: bool = False
+
+
+class OpenSessionRequest(StrictInput):
+    """POST /open_session."""
+
+    capacity_of_str_len: Annotated[int, Field(ge=1)]   # the longest context a turn may have (tokens)
+    session_id: NonEmptyStr | None = None
+
+
+class CloseSessionRequest(StrictInput):
+    """POST /close_session."""
+
+    session_id: NonEmptyStr
+
+
 class GenerateRequest(StrictInput):
     """POST /generate (SGLang's native route): one prompt or a batch, as text or token ids."""
 
@@ -151,6 +174,7 @@ class GenerateRequest(StrictInput):
     stream: bool | None = None
     rid: str | None = None
     priority: Priority | None = None
+    session_params: SessionParamsInput | None = None
 
 
 class AbortRequestBody(StrictInput):
