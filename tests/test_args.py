@@ -203,7 +203,7 @@ EXPECTED_NOT_SUPPORTED_YET = {
     
     "--kv-events-config", 
     "--data-parallel-size", "--load-balance-method", "--load-watch-interval", "--prefill-round-robin-balance",
-    "--dist-init-addr", "--nnodes", "--node-rank", "--preferred-sampling-params",
+    "--dist-init-addr", "--nnodes", "--node-rank",
     "--enable-lora", "--max-lora-rank", "--lora-target-modules", "--lora-paths",
     "--max-loras-per-batch", "--max-loaded-loras", "--lora-eviction-policy", "--lora-backend",
     "--max-lora-chunk-size", "--mm-attention-backend", "--nsa-prefill",
@@ -232,7 +232,7 @@ EXPECTED_NOT_SUPPORTED_YET = {
     "--enable-p2p-check", "--triton-attention-reduce-in-fp32", "--triton-attention-num-kv-splits", "--triton-attention-split-tile-size",
     "--num-continuous-decode-steps", "--delete-ckpt-after-loading", "--enable-weights-cpu-backup",
     "--enable-custom-logit-processor", "--flashinfer-mla-disable-ragged", "--disable-shared-experts-fusion",
-    "--disable-chunked-prefix-cache", "--disable-fast-image-processor", "--keep-mm-feature-on-device", "--enable-return-hidden-states",
+    "--disable-chunked-prefix-cache", "--disable-fast-image-processor", "--keep-mm-feature-on-device",
     "--scheduler-recv-interval", "--numa-node", "--enable-layerwise-nvtx-marker", "--enable-attn-tp-input-scattered",
     "--enable-nsa-prefill-context-parallel", "--forward-hooks", "--debug-tensor-dump-output-folder", "--debug-tensor-dump-input-file",
     "--debug-tensor-dump-inject", "--enable-dynamic-batch-tokenizer", "--dynamic-batch-tokenizer-batch-size", "--dynamic-batch-tokenizer-batch-timeout",
@@ -258,3 +258,12 @@ def test_device_cpu_and_the_flags_that_describe_srv_already_are_accepted(plugins
     with pytest.raises(SystemExit):
         parse_launch_args(["--device", "cuda"], *plugins)
     assert "--device cuda: srv runs on the CPU" in capsys.readouterr().err
+
+
+def test_preferred_sampling_params_must_be_a_json_object(plugins, capsys):
+    args = parse_launch_args(["--preferred-sampling-params", '{"temperature": 0.6, "top_p": 0.95}'], *plugins)
+    assert json.loads(args.preferred_sampling_params) == {"temperature": 0.6, "top_p": 0.95}
+    for bad, message in [("{nope", "not valid JSON"), ("[1, 2]", "must be a JSON object")]:
+        with pytest.raises(SystemExit):
+            parse_launch_args(["--preferred-sampling-params", bad], *plugins)
+        assert message in capsys.readouterr().err

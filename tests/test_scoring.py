@@ -73,3 +73,24 @@ def test_multi_item_scoring_scores_query_delimiter_item_delimiter(server, defaul
         assert got == pytest.approx([math.exp(v) for v in hf_next_logprobs(default_model_dir, ids, labels)], rel=2e-3)
     refused = post(server, "/v1/score", {**body, "item_first": True})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "item_first"
+
+
+def test_return_hidden_states_gives_every_positions_final_hidden_state(default_model_dir, tokenizer):
+    """--enable-return-hidden-states: the final norm's output at every position the request
+    computed (its prompt, then each output token but the last), as transformers computes them;
+    the same again when the prompt is in the prefix cache."""
+    ids = tokenizer.encode(QUERY + ITEMS[0])
+    params = {"max_new_tokens": 4, "temperature": 0, "return_hidden_states": True}
+    with srv.Engine(model_path=str(default_model_dir), dtype="float32", enable_return_hidden_states=True) as engine:
+        first = engine.generate(input_ids=ids, sampling_params=params)
+        again = engine.generate(input_ids=ids, sampling_params=params)
+    sequence = ids + first["output_ids"][:-1]
+    with torch.inference_mode():
+        want = hf_model(str(default_model_dir))(torch.tensor([sequence]), output_hidden_states=True).hidden_states[-1][0]
+    for result in (first, again):
+        got = torch.tensor(result["meta_info"]["hidden_states"])
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want.float(), atol=2e-3, rtol=1e-3)
+    with srv.Engine(model_path=str(default_model_dir), dtype="float32") as engine:
+        with pytest.raises(ValueError, match="--enable-return-hidden-states"):
+            engine.generate(input_ids=ids, sampling_params=params)

@@ -373,10 +373,12 @@ def test_server_flags(tmp_path, default_model_dir):
     server = Server("--max-queued-requests", "1", "--allow-auto-truncate", "--stream-output", "--log-requests",
                     "--log-requests-level", "0", "--context-length", "64", "--skip-server-warmup",
                     "--served-model-name", "my-model", "--chat-template", str(template), "--stream-interval", "2",
-                    "--tokenizer-path", str(default_model_dir))
+                    "--tokenizer-path", str(default_model_dir), "--preferred-sampling-params", '{"temperature": 0.6}')
     try:
         client = openai.OpenAI(base_url=f"{server.base}/v1", api_key="unused")
         assert [m.id for m in client.models.list().data] == ["my-model"]
+        info = httpx.get(f"{server.base}/get_model_info").json()
+        assert info["preferred_sampling_params"] == {"temperature": 0.6}
         reply = client.chat.completions.create(model="my-model", max_tokens=1,
                                                messages=[{"role": "user", "content": "Hi there"}])
         tokenizer = AutoTokenizer.from_pretrained(default_model_dir)

@@ -160,6 +160,13 @@ def check_launch_args(args: argparse.Namespace, parser: LaunchArgumentParser) ->
     if args.speculative_algorithm:
         for message in speculative_refusals(args):
             parser.error(message)
+    if args.preferred_sampling_params is not None:
+        try:
+            preferred = json.loads(args.preferred_sampling_params)
+        except json.JSONDecodeError as exc:
+            parser.error(f"--preferred-sampling-params is not valid JSON: {exc}")
+        if not isinstance(preferred, dict):
+            parser.error("--preferred-sampling-params must be a JSON object of sampling parameters")
     if args.device not in (None, "cpu"):
         # --disable-cuda-graph and --disable-overlap-schedule are accepted as they are: srv runs
         # no CUDA graphs and no overlapped scheduling, so they describe what it does already.

@@ -49,7 +49,6 @@ NOT_SUPPORTED_YET = frozenset({
     "--nnodes",
     "--node-rank",
     # Model override args
-    "--preferred-sampling-params",
     # LoRA
     "--enable-lora",
     "--max-lora-rank",
@@ -161,7 +160,6 @@ NOT_SUPPORTED_YET = frozenset({
     "--disable-chunked-prefix-cache",
     "--disable-fast-image-processor",
     "--keep-mm-feature-on-device",
-    "--enable-return-hidden-states",
     "--scheduler-recv-interval",
     "--numa-node",
     "--enable-layerwise-nvtx-marker",

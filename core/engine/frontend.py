@@ -157,6 +157,12 @@ class Frontend:
             raise InvalidRequest("the served model is an embedding model: it generates no text "
                                  "(use /v1/embeddings or /encode)")
         params = make_sampling_params(raw_params)
+        if params.return_hidden_states:
+            if not self.args.enable_return_hidden_states:
+                raise InvalidRequest("return_hidden_states needs --enable-return-hidden-states", "return_hidden_states")
+            if self.args.speculative_algorithm:
+                raise InvalidRequest("return_hidden_states is not available with --speculative-algorithm",
+                                     "return_hidden_states")
         ids, params = self.limits.fit(await self.tokenize(prompt, input_ids), params,
                                       max_new_tokens_given(raw_params))
         await self.check_grammar(params)

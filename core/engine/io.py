@@ -50,6 +50,7 @@ class RequestOutput:
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     error: str | None = None
     token_ids_logprobs: list[list[float]] = field(default_factory=list)
+    hidden_states: list[list[float]] = field(default_factory=list)   # positions computed since the last output
     # Once the prompt is computed, with logprob_start_len >= 0: the log-probability of each
     # prompt token from there on (None for the first token of the prompt), and their top ones.
     input_logprobs: list[float | None] | None = None

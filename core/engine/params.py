@@ -97,6 +97,7 @@ class SamplingParamsInput(SharedSamplingFields):
     top_logprobs: TopLogprobs | None = None
     logprob_start_len: Annotated[int, Field(ge=-1)] | None = None
     token_ids_logprob: Annotated[list[TokenId], Field(max_length=MAX_TOKEN_IDS_LOGPROB)] | None = None
+    return_hidden_states: bool | None = None
 
 
 def validation_error(exc: ValidationError) -> InvalidRequest:

@@ -42,6 +42,7 @@ class Req:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     token_ids_logprobs: list[list[float]] = field(default_factory=list)   # params.token_ids_logprob's, per output token
+    hidden_states: list[list[float]] = field(default_factory=list)   # return_hidden_states: one a computed position
     # The prompt's log-probabilities, token params.logprob_start_len on (None for token 0).
     input_logprobs: list[float | None] = field(default_factory=list)
     input_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)

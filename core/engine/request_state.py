@@ -23,6 +23,7 @@ class RequestState:
         self.logprobs: list[float] = []
         self.top_logprobs: list[list[tuple[int, float]]] = []
         self.token_ids_logprobs: list[list[float]] = []   # params.token_ids_logprob's, per output token
+        self.hidden_states: list[list[float]] = []   # return_hidden_states: one a computed position
         # The prompt's log-probabilities, with logprob_start_len >= 0 (see RequestOutput).
         self.input_logprobs: list[float | None] = []
         self.input_top_logprobs: list[list[tuple[int, float]]] = []
@@ -50,6 +51,7 @@ class RequestState:
         self.logprobs += out.logprobs
         self.top_logprobs += out.top_logprobs
         self.token_ids_logprobs += out.token_ids_logprobs
+        self.hidden_states += out.hidden_states
         self.cached_tokens = out.cached_tokens
         if out.input_logprobs is not None:
             self.input_logprobs, self.input_top_logprobs = out.input_logprobs, out.input_top_logprobs or []
@@ -78,6 +80,8 @@ class RequestState:
         if self.params.logprobs or self.params.top_logprobs:
             meta["output_token_logprobs"] = list(zip(self.logprobs, self.output_ids))
             meta["output_top_logprobs"] = list(self.top_logprobs)
+        if self.params.return_hidden_states:
+            meta["hidden_states"] = self.hidden_states
         if self.params.token_ids_logprob:
             meta["output_token_ids_logprobs"] = [list(zip(values, self.params.token_ids_logprob))
                                                  for values in self.token_ids_logprobs]

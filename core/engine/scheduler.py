@@ -244,6 +244,8 @@ class Scheduler:
             wanted = req.next_prompt_logprob
             if wanted is not None:
                 limit = min(limit, max(wanted - 1, 0))
+            if req.params.return_hidden_states and not req.output_ids:
+                limit = 0   # every position's hidden state is computed, none taken from the cache
             slots, node = self.tree.match_prefix(req.token_ids[:limit])
             self.tree.lock(node)
             req.cache_node = node

@@ -38,6 +38,7 @@ class SchedulerLoop:
     def __init__(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
         self._sent: dict[str, int] = {}   # output tokens already reported, per request
+        self._sent_hidden: dict[str, int] = {}   # hidden states already reported, per request
         self._generated: collections.deque[tuple[float, int]] = collections.deque()
         self._logged_decode_steps = 0
         self.paused = False              # /pause_generation: no steps until /continue_generation
@@ -144,6 +145,12 @@ class SchedulerLoop:
             req.finish_reason.value if req.finish_reason else None, req.matched_stop,
             req.logprobs[sent:], req.top_logprobs[sent:], req.error, req.token_ids_logprobs[sent:],
             embedding=req.embedding)
+        if req.params.return_hidden_states:
+            sent_hidden = self._sent_hidden.get(req.rid, 0)
+            out.hidden_states = req.hidden_states[sent_hidden:]
+            self._sent_hidden[req.rid] = len(req.hidden_states)
+            if req.finished:
+                self._sent_hidden.pop(req.rid, None)
         if req.params.logprob_start_len >= 0 and not req.input_logprobs_sent and req.next_prompt_logprob is None:
             out.input_logprobs, out.input_top_logprobs = req.input_logprobs, req.input_top_logprobs
             req.input_logprobs_sent = True

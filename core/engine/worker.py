@@ -178,15 +178,22 @@ class Worker:
             last = torch.tensor(extends).cumsum(0) - 1
             logits_indices = torch.cat([last, torch.tensor([row for _, row, _ in prompt_rows])])
         verify = any(item.drafts for item in batch)
+        # A request that wants its hidden states gets the final norm's output of every row (the
+        # speculative workers, which capture layers of their own, are refused such requests).
+        capture = self.capture_layers or ((self.runner.num_layers,) if any(
+            item.req.params.return_hidden_states for item in batch) else ())
         out = self.runner.forward(torch.tensor(ids), torch.cat(positions), torch.cat(locs), kv_slots, prefix_lens,
-                                  extends, logits_indices, ForwardMode.TARGET_VERIFY if verify else None,
-                                  self.capture_layers)
+                                  extends, logits_indices, ForwardMode.TARGET_VERIFY if verify else None, capture)
         logits = out.logits
-        if self.capture_layers:
+        if capture:
             offset = 0
             for item in batch:
                 n = 1 + len(item.drafts) if item.drafts else item.extend
                 item.hidden, item.hidden_start = out.hidden_states[offset: offset + n], item.req.kv_len
+                if item.req.params.return_hidden_states:
+                    # Rows of positions recorded before a retraction are computed again: skip them.
+                    known = len(item.req.hidden_states) - item.req.kv_len
+                    item.req.hidden_states += item.hidden[max(known, 0):].tolist()
                 offset += n
         if prompt_rows:
             self._record_prompt_logprobs(prompt_rows, logits[len(extends):])

@@ -40,6 +40,9 @@ class SamplingParams:
     # The log-probabilities of these tokens at every output position (SGLang's token_ids_logprob),
     # whichever token is chosen: what scoring reads.
     token_ids_logprob: list[int] = field(default_factory=list)
+    # The final hidden state of every position the model computes for the request (SGLang's
+    # return_hidden_states, with --enable-return-hidden-states): not sampling, but per request.
+    return_hidden_states: bool = False
     # Constrained decoding: at most one of these (a JSON schema as text, a regex, an EBNF grammar).
     json_schema: str | None = None
     regex: str | None = None

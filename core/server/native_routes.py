@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from starlette.requests import Request
@@ -71,6 +72,8 @@ class NativeRoutes:
     @staticmethod
     def _params(body: GenerateRequest, given: SamplingParamsInput | None) -> SamplingParamsInput:
         params = given or SamplingParamsInput()
+        if body.return_hidden_states:
+            params = params.model_copy(update={"return_hidden_states": True})
         if body.return_logprob:
             params = params.model_copy(update={"logprobs": True, "top_logprobs": body.top_logprobs_num or 0,
                                                "logprob_start_len": body.logprob_start_len,
@@ -132,6 +135,8 @@ class NativeRoutes:
                              "tokenizer_path": args.tokenizer_path or self.context.model_info.get("model_dir"),
                              "is_generation": self.context.model_info.get("is_generation", True),
                              "served_model_name": self.context.model_name, "weight_version": self.context.weight_version,
+                             "preferred_sampling_params": json.loads(args.preferred_sampling_params)
+                             if args.preferred_sampling_params else None,
                              **self.context.model_info})
 
     async def get_server_info(self, request: Request) -> Response:

@@ -175,6 +175,7 @@ class GenerateRequest(StrictInput):
     rid: str | None = None
     priority: Priority | None = None
     session_params: SessionParamsInput | None = None
+    return_hidden_states: bool | None = None   # with --enable-return-hidden-states
 
 
 class AbortRequestBody(StrictInput):
@@ -478,6 +479,7 @@ class MetaInfo(BaseModel):
     output_token_logprobs: list[list[Any]] | None = None
     output_top_logprobs: list[list[Any]] | None = None
     output_token_ids_logprobs: list[list[Any]] | None = None
+    hidden_states: list[list[float]] | None = None   # return_hidden_states: one a computed position
 
 
 class GenerateResult(BaseModel):
