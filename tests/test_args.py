@@ -231,7 +231,7 @@ EXPECTED_NOT_SUPPORTED_YET = {
     "--torch-compile-max-bs", "--piecewise-cuda-graph-max-tokens", "--enable-nan-detection",
     "--enable-p2p-check", "--triton-attention-reduce-in-fp32", "--triton-attention-num-kv-splits", "--triton-attention-split-tile-size",
     "--num-continuous-decode-steps", "--delete-ckpt-after-loading", "--enable-weights-cpu-backup",
-    "--enable-custom-logit-processor", "--flashinfer-mla-disable-ragged", "--disable-shared-experts-fusion",
+    "--flashinfer-mla-disable-ragged", "--disable-shared-experts-fusion",
     "--disable-chunked-prefix-cache", "--disable-fast-image-processor", "--keep-mm-feature-on-device",
     "--scheduler-recv-interval", "--numa-node", "--enable-layerwise-nvtx-marker", "--enable-attn-tp-input-scattered",
     "--enable-nsa-prefill-context-parallel", "--forward-hooks", "--debug-tensor-dump-output-folder", "--debug-tensor-dump-input-file",

@@ -94,3 +94,38 @@ def test_return_hidden_states_gives_every_positions_final_hidden_state(default_m
     with srv.Engine(model_path=str(default_model_dir), dtype="float32") as engine:
         with pytest.raises(ValueError, match="--enable-return-hidden-states"):
             engine.generate(input_ids=ids, sampling_params=params)
+
+
+FORCING_PROCESSOR = '''
+from srv.sdk.logit_processor import CustomLogitProcessor
+
+class OnlyToken(CustomLogitProcessor):
+    def __call__(self, logits, custom_param_list=None):
+        for row, params in enumerate(custom_param_list):
+            token = params["token_id"]
+            kept = logits[row, token].clone()
+            logits[row] = float("-inf")
+            logits[row, token] = kept
+        return logits
+
+print(OnlyToken.to_str())
+'''
+
+
+def test_custom_logit_processor_in_sglangs_wire_format(default_model_dir):
+    """A processor class defined in a client's __main__ travels by value (dill) and runs on its
+    requests' rows only, with each request's custom_params; without the flag it is refused."""
+    import subprocess
+    import sys
+
+    text = subprocess.run([sys.executable, "-c", FORCING_PROCESSOR], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    forced = {"max_new_tokens": 3, "temperature": 0, "custom_logit_processor": text, "custom_params": {"token_id": 42}}
+    with srv.Engine(model_path=str(default_model_dir), dtype="float32", enable_custom_logit_processor=True) as engine:
+        plain, got = engine.generate(["Hello", "Hello"], [{"max_new_tokens": 3, "temperature": 0}, forced])
+        assert got["output_ids"] == [42, 42, 42] and plain["output_ids"] != [42, 42, 42]
+        with pytest.raises(ValueError, match="could not be loaded"):
+            engine.generate("Hello", {**forced, "custom_logit_processor": '{"callable": "00"}'})
+    with srv.Engine(model_path=str(default_model_dir), dtype="float32") as engine:
+        with pytest.raises(ValueError, match="--enable-custom-logit-processor"):
+            engine.generate("Hello", forced)

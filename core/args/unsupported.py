@@ -154,7 +154,6 @@ NOT_SUPPORTED_YET = frozenset({
     "--num-continuous-decode-steps",
     "--delete-ckpt-after-loading",
     "--enable-weights-cpu-backup",
-    "--enable-custom-logit-processor",
     "--flashinfer-mla-disable-ragged",
     "--disable-shared-experts-fusion",
     "--disable-chunked-prefix-cache",

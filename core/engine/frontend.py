@@ -142,6 +142,18 @@ class Frontend:
         except (TypeError, ValueError) as exc:   # what tokenizers raise on text they cannot take
             raise InvalidRequest(f"the prompt could not be tokenized: {exc}") from None
 
+    async def check_logit_processor(self, text: str) -> None:
+        if not self.args.enable_custom_logit_processor:
+            raise InvalidRequest("custom logit processors are code: the server runs them only with "
+                                 "--enable-custom-logit-processor", "custom_logit_processor")
+        from srv.sdk.logit_processor import CustomLogitProcessor
+
+        try:
+            await self.off_loop(CustomLogitProcessor.from_str, text)
+        except Exception as exc:
+            raise InvalidRequest(f"the custom logit processor could not be loaded: {type(exc).__name__}: {exc}",
+                                 "custom_logit_processor") from None
+
     async def check_grammar(self, params: SamplingParams) -> None:
         spec = params.grammar
         if spec is None:
@@ -157,6 +169,8 @@ class Frontend:
             raise InvalidRequest("the served model is an embedding model: it generates no text "
                                  "(use /v1/embeddings or /encode)")
         params = make_sampling_params(raw_params)
+        if params.custom_logit_processor is not None:
+            await self.check_logit_processor(params.custom_logit_processor)
         if params.return_hidden_states:
             if not self.args.enable_return_hidden_states:
                 raise InvalidRequest("return_hidden_states needs --enable-return-hidden-states", "return_hidden_states")

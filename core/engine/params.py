@@ -84,6 +84,9 @@ class SharedSamplingFields(StrictInput):
     json_schema: str | dict[str, Any] | None = None
     regex: str | None = None
     ebnf: str | None = None
+    # SGLang's custom logit processor (with --enable-custom-logit-processor) and its parameters.
+    custom_logit_processor: str | None = None
+    custom_params: dict[str, Any] | None = None
 
 
 class SamplingParamsInput(SharedSamplingFields):

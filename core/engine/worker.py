@@ -22,7 +22,7 @@ from srv.engine.memory import ReqToTokenPool
 from srv.engine.request import Req
 from srv.sdk.attention import ForwardMode
 from srv.sdk.grammar import allocate_bitmask
-from srv.sdk.sampling import SampleOutput, SamplingBatch
+from srv.sdk.sampling import SampleOutput, SamplingBatch, SamplingParams
 from srv.sdk.speculative import DraftTree, accept_tree
 
 logger = logging.getLogger("srv.scheduler")
@@ -251,6 +251,7 @@ class Worker:
                 req.grammar.fill_bitmask(mask, j)
         if len(rows) < logits.shape[0]:
             logits = logits[rows]
+        logits = self._apply_logit_processors(logits, params)
         sampling = SamplingBatch(params, token_ids, prompt_lens, self.eos_ids, mask)
         sample = self.runner.sampler.sample(logits, sampling)
         samples = sample.next_token_ids.tolist()
@@ -266,6 +267,23 @@ class Worker:
                     self._move_accepted_kv(item, result.nodes)
         self._record_token_ids_logprobs(results, logits)
         return BatchResult(results, sample)
+
+    @staticmethod
+    def _apply_logit_processors(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """Each custom logit processor on the rows of the requests that name it."""
+        named: dict[str, list[int]] = {}
+        for row, p in enumerate(params):
+            if p.custom_logit_processor is not None:
+                named.setdefault(p.custom_logit_processor, []).append(row)
+        if not named:
+            return logits
+        from srv.sdk.logit_processor import CustomLogitProcessor
+
+        logits = logits.clone()
+        for text, rows in named.items():
+            index = torch.tensor(rows)
+            logits[index] = CustomLogitProcessor.from_str(text)(logits[index], [params[r].custom_params for r in rows])
+        return logits
 
     @staticmethod
     def _record_token_ids_logprobs(results: list[RequestResult], logits: torch.Tensor) -> None:

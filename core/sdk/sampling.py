@@ -43,6 +43,9 @@ class SamplingParams:
     # The final hidden state of every position the model computes for the request (SGLang's
     # return_hidden_states, with --enable-return-hidden-states): not sampling, but per request.
     return_hidden_states: bool = False
+    # A srv.sdk.logit_processor.CustomLogitProcessor as the request sent it, and its parameters.
+    custom_logit_processor: str | None = None
+    custom_params: dict | None = None
     # Constrained decoding: at most one of these (a JSON schema as text, a regex, an EBNF grammar).
     json_schema: str | None = None
     regex: str | None = None

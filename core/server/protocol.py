@@ -176,6 +176,7 @@ class GenerateRequest(StrictInput):
     priority: Priority | None = None
     session_params: SessionParamsInput | None = None
     return_hidden_states: bool | None = None   # with --enable-return-hidden-states
+    custom_logit_processor: str | None = None  # with --enable-custom-logit-processor
 
 
 class AbortRequestBody(StrictInput):
