@@ -187,7 +187,6 @@ def test_server_arguments_doc_is_generated_and_fresh():
 
 # Flags accepted but not implemented yet, as of this commit.
 EXPECTED_NOT_SUPPORTED_YET = {
-    "--model-loader-extra-config", "--trust-remote-code",
     "--enable-multimodal", "--limit-mm-data-per-request", "--revision",
     "--warmups", "--nccl-port",
     "--modelopt-quant", "--modelopt-checkpoint-restore-path", "--modelopt-checkpoint-save-path",

@@ -93,3 +93,25 @@ def test_a_weight_of_another_shape_is_refused_by_name(tmp_path, name, shape):
     weights[name] = torch.ones(shape)
     with pytest.raises(ValueError, match=re.escape(f"{name.removeprefix('model.')} has shape {list(shape)}")):
         build(folder).load_weights(weights.items())
+
+
+def test_multithread_load_of_sharded_files_gives_the_same_weights(tmp_path):
+    """--model-loader-extra-config {"enable_multithread_load": true, "num_threads": 2}: shards read
+    at once, the same weights; a key the loader does not take is refused by name."""
+    from argparse import Namespace
+
+    from transformers import LlamaConfig, LlamaForCausalLM as HFLlama
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, architectures=["LlamaForCausalLM"])
+    HFLlama(config).save_pretrained(tmp_path, max_shard_size="20KB")
+    assert len(list(tmp_path.glob("*.safetensors"))) > 2
+    plain, threaded = build(tmp_path), build(tmp_path)
+    SafetensorsLoader().load(plain, tmp_path)
+    extra = '{"enable_multithread_load": true, "num_threads": 2}'
+    SafetensorsLoader(Namespace(model_loader_extra_config=extra)).load(threaded, tmp_path)
+    for (name, a), (_, b) in zip(plain.state_dict().items(), threaded.state_dict().items()):
+        assert torch.equal(a, b), name
+    with pytest.raises(ValueError, match="does not take \\['load_fast'\\]"):
+        SafetensorsLoader(Namespace(model_loader_extra_config='{"load_fast": 1}')).load(build(tmp_path), tmp_path)

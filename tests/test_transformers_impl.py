@@ -136,3 +136,51 @@ def test_registering_the_attention_is_idempotent():
     register_attention()
     register_attention()
     assert AttentionInterface._global_mapping[ATTENTION_NAME] is srv_paged_attention
+
+
+REMOTE_CONFIG = '''from transformers import LlamaConfig
+
+
+class SrvToyConfig(LlamaConfig):
+    model_type = "srvtoy"
+'''
+REMOTE_MODEL = '''from transformers import LlamaForCausalLM
+
+from .configuration_srvtoy import SrvToyConfig
+
+
+class SrvToyForCausalLM(LlamaForCausalLM):
+    config_class = SrvToyConfig
+'''
+
+
+def test_trust_remote_code_runs_a_models_own_code(tmp_path, tiny_models):
+    """A directory whose config.json maps its architecture to its own modules (auto_map) is served
+    through transformers only with --trust-remote-code, and then as transformers runs it."""
+    import json
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    path = tmp_path / "srvtoy"
+    shutil.copytree(tiny_models["llama"], path)
+    config = json.loads((path / "config.json").read_text())
+    config.update(model_type="srvtoy", architectures=["SrvToyForCausalLM"],
+                  auto_map={"AutoConfig": "configuration_srvtoy.SrvToyConfig",
+                            "AutoModelForCausalLM": "modeling_srvtoy.SrvToyForCausalLM"})
+    (path / "config.json").write_text(json.dumps(config))
+    (path / "configuration_srvtoy.py").write_text(REMOTE_CONFIG)
+    (path / "modeling_srvtoy.py").write_text(REMOTE_MODEL)
+    with pytest.raises(ValueError, match="--trust-remote-code"):
+        make_engine(path)
+    prompts = random_prompts(3, seed=5)
+    with make_engine(path, trust_remote_code=True) as engine:
+        assert type(engine.runner.model).__module__ == TRANSFORMERS_MODULE
+        results = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, trust_remote_code=True).eval()
+    assert type(reference).__name__ == "SrvToyForCausalLM"
+    for ids, result in zip(prompts, results):
+        with torch.inference_mode():
+            out = reference.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                     max_new_tokens=len(result["output_ids"]), do_sample=False, pad_token_id=0)
+        assert result["output_ids"] == out[0, len(ids):].tolist()

@@ -160,13 +160,16 @@ def check_launch_args(args: argparse.Namespace, parser: LaunchArgumentParser) ->
     if args.speculative_algorithm:
         for message in speculative_refusals(args):
             parser.error(message)
-    if args.preferred_sampling_params is not None:
+    for flag in ("--preferred-sampling-params", "--model-loader-extra-config"):
+        text = getattr(args, flag.lstrip("-").replace("-", "_"))
+        if text is None:
+            continue
         try:
-            preferred = json.loads(args.preferred_sampling_params)
+            value = json.loads(text)
         except json.JSONDecodeError as exc:
-            parser.error(f"--preferred-sampling-params is not valid JSON: {exc}")
-        if not isinstance(preferred, dict):
-            parser.error("--preferred-sampling-params must be a JSON object of sampling parameters")
+            parser.error(f"{flag} is not valid JSON: {exc}")
+        if not isinstance(value, dict):
+            parser.error(f"{flag} must be a JSON object")
     if args.device not in (None, "cpu"):
         # --disable-cuda-graph and --disable-overlap-schedule are accepted as they are: srv runs
         # no CUDA graphs and no overlapped scheduling, so they describe what it does already.

@@ -7,8 +7,6 @@ tests/test_args.py holds a copy so every change to it is deliberate.
 
 NOT_SUPPORTED_YET = frozenset({
     # Model and tokenizer
-    "--model-loader-extra-config",
-    "--trust-remote-code",
     "--enable-multimodal",
     "--limit-mm-data-per-request",
     "--revision",

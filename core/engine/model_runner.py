@@ -68,6 +68,7 @@ class ModelRunner:
         self.quantization_name = NONE   # the method serving the weights (set by _quantization)
         path = Path(args.model_path) if args.model_path else default_model_path()
         loader = self._choose_loader(path)
+        loader.extra_config()   # a key the loader does not take fails before any work
         started = time.monotonic()
         self.model_dir = loader.prepare(path)
         if on_model_dir is not None:
@@ -150,7 +151,8 @@ class ModelRunner:
         return None
 
     def _load_config(self) -> ModelConfig:
-        return ModelConfig.read(self.model_dir, json.loads(self.args.json_model_override_args or "{}"))
+        return ModelConfig.read(self.model_dir, json.loads(self.args.json_model_override_args or "{}"),
+                                bool(self.args.trust_remote_code))
 
     def _choose_impl(self) -> ModelImpl:
         impls = self.registry

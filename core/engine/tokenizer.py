@@ -17,10 +17,11 @@ GENERIC_BACKENDS = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
 
 def load_tokenizer(args: Namespace, model_dir: str) -> Any:
-    return hf_tokenizer(args.tokenizer_path or model_dir, use_fast=args.tokenizer_mode != "slow")
+    return hf_tokenizer(args.tokenizer_path or model_dir, use_fast=args.tokenizer_mode != "slow",
+                        trust_remote_code=bool(args.trust_remote_code))
 
 
-def hf_tokenizer(path: str, use_fast: bool = True) -> Any:
+def hf_tokenizer(path: str, use_fast: bool = True, trust_remote_code: bool = False) -> Any:
     """transformers' tokenizer for `path`, the one AutoTokenizer would load.
 
     AutoTokenizer reads config.json through transformers' configuration module, which imports
@@ -32,7 +33,7 @@ def hf_tokenizer(path: str, use_fast: bool = True) -> Any:
 
     if use_fast and _generic_backend(Path(path)):
         return transformers.TokenizersBackend.from_pretrained(path)
-    return transformers.AutoTokenizer.from_pretrained(path, use_fast=use_fast)
+    return transformers.AutoTokenizer.from_pretrained(path, use_fast=use_fast, trust_remote_code=trust_remote_code)
 
 
 def import_tokenizer_modules() -> None:

@@ -23,15 +23,19 @@ class ModelConfig:
     """
 
     def __init__(self, values: dict[str, Any], model_dir: Path | None = None,
-                 overrides: dict[str, Any] | None = None) -> None:
+                 overrides: dict[str, Any] | None = None, trust_remote_code: bool = False) -> None:
         self._values = {**values, **(overrides or {})}
         self._model_dir, self._overrides = model_dir, dict(overrides or {})
+        # --trust-remote-code: transformers may run the directory's own configuration and
+        # modeling code (config.json's auto_map).
+        self.trust_remote_code = trust_remote_code
         self._hf: Any = None
 
     @classmethod
-    def read(cls, model_dir: Path | str, overrides: dict[str, Any] | None = None) -> ModelConfig:
+    def read(cls, model_dir: Path | str, overrides: dict[str, Any] | None = None,
+             trust_remote_code: bool = False) -> ModelConfig:
         model_dir = Path(model_dir)
-        return cls(json.loads((model_dir / "config.json").read_text()), model_dir, overrides)
+        return cls(json.loads((model_dir / "config.json").read_text()), model_dir, overrides, trust_remote_code)
 
     def __getattr__(self, name: str) -> Any:
         values = self.__dict__.get("_values", {})
@@ -49,7 +53,13 @@ class ModelConfig:
 
             if self._model_dir is None:
                 raise ValueError("this ModelConfig was not read from a model directory")
-            self._hf = AutoConfig.from_pretrained(str(self._model_dir))
+            try:
+                self._hf = AutoConfig.from_pretrained(str(self._model_dir), trust_remote_code=self.trust_remote_code)
+            except ValueError as exc:
+                if "trust_remote_code" in str(exc) and not self.trust_remote_code:
+                    raise ValueError(f"{self._model_dir} defines its own model code (config.json's auto_map): "
+                                     "srv runs it only with --trust-remote-code") from None
+                raise
             for key, value in self._overrides.items():
                 setattr(self._hf, key, value)
         return self._hf
@@ -88,8 +98,21 @@ class ModelLoader(ABC):
     tokenizer files); `load` fills a built model's parameters from it.
     """
 
+    # The --model-loader-extra-config keys this loader reads; any other is refused by name.
+    extra_config_keys: frozenset[str] = frozenset()
+
     def __init__(self, server_args: Any = None) -> None:
         self.server_args = server_args
+
+    def extra_config(self) -> dict[str, Any]:
+        """--model-loader-extra-config (a JSON object), checked against `extra_config_keys`."""
+        raw = getattr(self.server_args, "model_loader_extra_config", None) or "{}"
+        config = json.loads(raw) if isinstance(raw, str) else dict(raw)
+        unknown = sorted(set(config) - self.extra_config_keys)
+        if unknown:
+            raise ValueError(f"--model-loader-extra-config: {type(self).__name__} does not take {unknown} "
+                             f"(it takes {sorted(self.extra_config_keys) or 'no keys'})")
+        return config
 
     def accepts(self, path: Path) -> bool:
         """Whether `--load-format auto` should pick this loader for `path`."""

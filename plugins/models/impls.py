@@ -31,18 +31,18 @@ class TransformersModels(ModelImpl):
     def supports(self, config: ModelConfig) -> bool:
         from srv.plugins.models import transformers_encoder, transformers_impl
 
-        return transformers_impl.supports(config.hf()) or transformers_encoder.supports(config.hf())
+        return self.is_generation(config) or transformers_encoder.supports(config.hf())
 
     def is_generation(self, config: ModelConfig) -> bool:
         from srv.plugins.models import transformers_impl
 
-        return transformers_impl.supports(config.hf())
+        return transformers_impl.supports(config.hf(), config.trust_remote_code)
 
     def build(self, config: ModelConfig):
         if self.is_generation(config):
             from srv.plugins.models.transformers_impl import TransformersModel
 
-            return TransformersModel(config.hf())
+            return TransformersModel(config.hf(), config.trust_remote_code)
         from srv.plugins.models.transformers_encoder import TransformersEncoder
 
         return TransformersEncoder(config.hf())

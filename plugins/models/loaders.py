@@ -13,24 +13,44 @@ from srv.sdk.models import ModelLoader
 
 
 class SafetensorsLoader(ModelLoader):
+    """*.safetensors files in name order; with --model-loader-extra-config
+    {"enable_multithread_load": true, "num_threads": N} (SGLang's keys) N files are read at once."""
+
+    extra_config_keys = frozenset({"enable_multithread_load", "num_threads"})
+    DEFAULT_THREADS = 8
+
     def accepts(self, path: Path) -> bool:
         return path.is_dir() and any(path.glob("*.safetensors"))
 
     def load(self, model: nn.Module, model_dir: Path) -> None:
-        model.load_weights(self._tensors(model_dir))
+        config = self.extra_config()
+        threads = int(config.get("num_threads", self.DEFAULT_THREADS)) if config.get("enable_multithread_load") else 1
+        model.load_weights(self._tensors(model_dir, threads))
 
     @staticmethod
-    def _tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
-        from safetensors import safe_open
-
+    def _tensors(model_dir: Path, threads: int = 1) -> Iterator[tuple[str, torch.Tensor]]:
         files = sorted(model_dir.glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
-        for file in files:
-            with safe_open(str(file), framework="pt") as f:
-                names = list(f.keys())
-                for name in tqdm(names, desc=f"loading {file.name}", unit="tensor", disable=None, leave=False):
-                    yield name, f.get_tensor(name)
+        if threads <= 1 or len(files) == 1:
+            for file in files:
+                yield from _file_tensors(file)
+            return
+        # Files read ahead in threads (safetensors reads release the GIL), handed on in name order.
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(min(threads, len(files)), thread_name_prefix="srv-load") as pool:
+            for tensors in pool.map(lambda file: list(_file_tensors(file)), files):
+                yield from tensors
+
+
+def _file_tensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    with safe_open(str(file), framework="pt") as f:
+        names = list(f.keys())
+        for name in tqdm(names, desc=f"loading {file.name}", unit="tensor", disable=None, leave=False):
+            yield name, f.get_tensor(name)
 
 
 class PtLoader(ModelLoader):

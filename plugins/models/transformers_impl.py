@@ -84,13 +84,14 @@ class TransformersModel(nn.Module):
     load_weights(named_tensors) takes the checkpoint's (Hugging Face) names.
     """
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, trust_remote_code: bool = False) -> None:
         super().__init__()
         from transformers import AutoModelForCausalLM
 
         register_attention()
         self.config = config
-        self.hf = AutoModelForCausalLM.from_config(config, attn_implementation=ATTENTION_NAME)
+        self.hf = AutoModelForCausalLM.from_config(config, attn_implementation=ATTENTION_NAME,
+                                                   trust_remote_code=trust_remote_code)
         if self.hf.config._attn_implementation != ATTENTION_NAME:
             raise RuntimeError(f"{type(self.hf).__name__} did not take attention implementation {ATTENTION_NAME!r}")
         self.hf.config.use_cache = False
@@ -264,19 +265,33 @@ def _warn_about_ignored_attention_settings(config: Any) -> None:
 ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention"}
 
 
-def supports(config: Any) -> bool:
-    """Causal LMs transformers itself can build (its AutoModelForCausalLM mapping) whose layers
-    all attend through AttentionInterface."""
-    import transformers
+def causal_lm_class(config: Any, trust_remote_code: bool = False) -> type | None:
+    """The class AutoModelForCausalLM builds for `config`: from transformers' own mapping, or with
+    --trust-remote-code the one the model directory's code defines (config.json's auto_map)."""
     from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM._model_mapping[type(config)]
+    except (KeyError, ValueError):
+        pass
+    remote = (getattr(config, "auto_map", None) or {}).get("AutoModelForCausalLM")
+    if remote is None or not trust_remote_code:
+        return None
+    from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+    return get_class_from_dynamic_module(remote, config._name_or_path)
+
+
+def supports(config: Any, trust_remote_code: bool = False) -> bool:
+    """Causal LMs transformers can build (its AutoModelForCausalLM mapping, or with
+    --trust-remote-code the model's own code) whose layers all attend through AttentionInterface."""
+    import transformers
 
     if int(transformers.__version__.split(".")[0]) < 5:
         return False  # needs transformers 5's initialisation, tying and weight-conversion APIs
     architectures = getattr(config, "architectures", None) or []
-
-    try:
-        model_class = AutoModelForCausalLM._model_mapping[type(config)]
-    except (KeyError, ValueError):
+    model_class = causal_lm_class(config, trust_remote_code)
+    if model_class is None:
         return False
     # "...ForCausalLM", or the mapping's own name for it (GPT2LMHeadModel and the like).
     if not any(a.endswith("ForCausalLM") or a == model_class.__name__ for a in architectures):
