@@ -187,14 +187,14 @@ def test_server_arguments_doc_is_generated_and_fresh():
 
 # Flags accepted but not implemented yet, as of this commit.
 EXPECTED_NOT_SUPPORTED_YET = {
-    "--enable-multimodal", "--limit-mm-data-per-request", "--revision",
+    "--enable-multimodal", "--limit-mm-data-per-request",
     "--warmups", "--nccl-port",
     "--modelopt-quant", "--modelopt-checkpoint-restore-path", "--modelopt-checkpoint-save-path",
     "--enable-fp32-lm-head",
     "--hybrid-kvcache-ratio", "--swa-full-tokens-ratio",
     "--disable-hybrid-swa-memory", "--elastic-ep-backend", "--mooncake-ib-device",
     "--tensor-parallel-size", "--pipeline-parallel-size", "--pp-max-micro-batch-size", 
-    "--dist-timeout", "--download-dir", "--base-gpu-id",
+    "--dist-timeout", "--base-gpu-id",
     "--gpu-id-step", "--sleep-on-idle", "--mm-process-config", 
     
     "--enable-metrics-for-all-schedulers", 

@@ -184,3 +184,30 @@ def test_trust_remote_code_runs_a_models_own_code(tmp_path, tiny_models):
             out = reference.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                                      max_new_tokens=len(result["output_ids"]), do_sample=False, pad_token_id=0)
         assert result["output_ids"] == out[0, len(ids):].tolist()
+
+
+def test_a_repository_id_is_served_from_the_local_hub_cache_at_a_revision(tmp_path, tiny_models):
+    """--model-path org/name with --download-dir and --revision: the snapshot the local cache holds
+    (a branch or a commit); what the cache lacks is an error, never a download."""
+    import shutil
+
+    cache = tmp_path / "hub"
+    repo = cache / "models--srv-test--tiny-llama"
+    for commit in ("1111111111111111111111111111111111111111", "2222222222222222222222222222222222222222"):
+        shutil.copytree(tiny_models["llama"], repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("2222222222222222222222222222222222222222")
+    prompts = random_prompts(2, seed=6)
+    with make_engine("srv-test/tiny-llama", download_dir=str(cache)) as engine:
+        assert engine.runner.model_dir == repo / "snapshots" / "2222222222222222222222222222222222222222"
+        assert_matches_hf(engine, tiny_models["llama"], prompts, engine.generate(input_ids=prompts,
+                                                                                  sampling_params=GREEDY))
+    with make_engine("srv-test/tiny-llama", download_dir=str(cache),
+                     revision="1111111111111111111111111111111111111111") as engine:
+        assert engine.runner.model_dir.name == "1111111111111111111111111111111111111111"
+    with pytest.raises(FileNotFoundError, match="never downloads"):
+        make_engine("srv-test/tiny-llama", download_dir=str(cache), revision="v9")
+    with pytest.raises(FileNotFoundError, match="never downloads"):
+        make_engine("srv-test/absent", download_dir=str(cache))
+    with pytest.raises(ValueError, match="--revision"):
+        make_engine(tiny_models["llama"], revision="main")

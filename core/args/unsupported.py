@@ -9,7 +9,6 @@ NOT_SUPPORTED_YET = frozenset({
     # Model and tokenizer
     "--enable-multimodal",
     "--limit-mm-data-per-request",
-    "--revision",
     # HTTP server
     "--warmups",
     "--nccl-port",
@@ -29,7 +28,6 @@ NOT_SUPPORTED_YET = frozenset({
     "--pipeline-parallel-size",
     "--pp-max-micro-batch-size",
     "--dist-timeout",
-    "--download-dir",
     "--base-gpu-id",
     "--gpu-id-step",
     "--sleep-on-idle",

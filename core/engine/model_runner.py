@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import time
 from argparse import Namespace
 from pathlib import Path
@@ -25,6 +26,8 @@ DTYPES = {"half": torch.float16, "float16": torch.float16, "bfloat16": torch.bfl
           "float": torch.float32, "float32": torch.float32}
 # Without --max-total-tokens or --mem-fraction-static, the KV cache takes this share of available RAM.
 DEFAULT_CPU_MEM_FRACTION = 0.1
+# A Hugging Face repository id ("org/name").
+REPO_ID = re.compile(r"[\w.-]+/[\w.-]+")
 
 
 def available_memory_bytes() -> int:
@@ -56,6 +59,29 @@ def served_dtype(name: str, method: QuantizationMethod | None = None, embedding:
     return torch.bfloat16 if native else torch.float32
 
 
+def local_model_path(name: str, revision: str | None = None, download_dir: str | None = None) -> Path:
+    """--model-path on this machine: a file or folder as given, else a Hugging Face repository id
+    found in the local hub cache (--download-dir, else the hub's own) at --revision (default: its
+    main branch). srv never downloads: what is not on disk is an error."""
+    path = Path(name)
+    if path.exists():
+        if revision is not None:
+            raise ValueError(f"--revision {revision} names a version of a Hugging Face repository; "
+                             f"--model-path {name} is a local path")
+        return path
+    if not REPO_ID.fullmatch(name):
+        raise FileNotFoundError(f"--model-path {name} does not exist (srv never downloads weights)")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(name, revision=revision, cache_dir=download_dir, local_files_only=True))
+    except (LocalEntryNotFoundError, FileNotFoundError, ValueError):
+        where = download_dir or "the Hugging Face cache"
+        raise FileNotFoundError(f"--model-path {name}: no such folder, and {where} has no copy of that repository"
+                                f" at revision {revision or 'main'} (srv never downloads weights)") from None
+
+
 def _tensor_shapes(model: torch.nn.Module) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     return {name: (tuple(t.shape), t.dtype) for name, t in model.state_dict(keep_vars=True).items()}
 
@@ -66,7 +92,8 @@ class ModelRunner:
         """`on_model_dir` is called with the prepared model directory before the weights load."""
         self.args, self.registry = args, registry
         self.quantization_name = NONE   # the method serving the weights (set by _quantization)
-        path = Path(args.model_path) if args.model_path else default_model_path()
+        path = local_model_path(args.model_path, args.revision, args.download_dir) if args.model_path \
+            else default_model_path()
         loader = self._choose_loader(path)
         loader.extra_config()   # a key the loader does not take fails before any work
         started = time.monotonic()
