@@ -220,3 +220,36 @@ def test_rerank_orders_documents_by_embedding_cosine(server, minilm_dir):
     assert len(top) == 1 and top[0]["index"] == results[0]["index"] and "document" not in top[0]
     refused = post(server, "/v1/score", {"query": "a", "items": ["b"], "label_token_ids": [1]})
     assert refused.status_code == 400
+
+
+@pytest.fixture(scope="module")
+def cross_encoder_dir(tmp_path_factory, minilm_dir) -> Path:
+    """A tiny random BERT cross-encoder (one label, two segments) with MiniLM's tokenizer."""
+    from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=30522, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, max_position_embeddings=128, num_labels=1, type_vocab_size=2)
+    path = tmp_path_factory.mktemp("cross") / "bert-cross"
+    BertForSequenceClassification(config).eval().save_pretrained(path)
+    AutoTokenizer.from_pretrained(minilm_dir).save_pretrained(path)
+    return path
+
+
+def test_a_cross_encoder_reranks_pairs_as_sentence_transformers_scores_them(cross_encoder_dir):
+    """BertForSequenceClassification: each (query, document) pair tokenized as a pair (its second
+    text in segment 1), scored by the classifier on [CLS] with a sigmoid, as CrossEncoder.predict."""
+    from sentence_transformers import CrossEncoder
+
+    query, documents = "Where is the Eiffel Tower?", ["In Paris.", "Bananas are yellow fruit.", "Paris, France"]
+    want = CrossEncoder(str(cross_encoder_dir), device="cpu").predict([(query, d) for d in documents]).tolist()
+    server = Server("--model-path", str(cross_encoder_dir), "--api-key", API_KEY)
+    try:
+        results = post(server, "/v1/rerank", {"query": query, "documents": documents}).json()
+        assert [r["index"] for r in results] == sorted(range(3), key=lambda i: -want[i])
+        for r in results:
+            assert r["score"] == pytest.approx(want[r["index"]], abs=1e-5)
+        info = httpx.get(f"{server.base}/get_model_info", headers=AUTH).json()
+        assert info["is_cross_encoder"] is True and info["is_generation"] is False
+    finally:
+        server.stop()

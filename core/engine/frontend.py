@@ -194,14 +194,15 @@ class Frontend:
 
     def _submit(self, input_ids: list[int], params: SamplingParams, priority: int | None,
                 rid: str | None = None, labels: dict[str, str] | None = None,
-                session: SessionParams | None = None) -> RequestState:
+                session: SessionParams | None = None, token_type_ids: list[int] | None = None) -> RequestState:
         if rid is not None and rid in self._queues:
             raise InvalidRequest(f"a request with rid {rid!r} is already running", "rid")
         state = RequestState(rid or uuid.uuid4().hex, input_ids, params, self.tokenizer, labels)
         state.session = session
         self._queues[state.rid] = asyncio.Queue()
         self._not_started.add(state.rid)
-        self.send(GenerateRequest(state.rid, input_ids, params, priority or 0, session.id if session else None))
+        self.send(GenerateRequest(state.rid, input_ids, params, priority or 0, session.id if session else None,
+                                  token_type_ids))
         return state
 
     async def _follow(self, state: RequestState, interval: int = 1) -> AsyncIterator[RequestState]:
@@ -285,12 +286,35 @@ class Frontend:
         if not self.limits.embedding:
             raise InvalidRequest("the served model generates text: embeddings need an embedding model "
                                  "(an encoder, or --is-embedding)")
-        prepared = []
-        for prompt, ids in zip(prompts, input_ids):
-            ids = await self.tokenize(prompt, ids)
-            prepared.append(self.limits.fit(ids, EMBEDDING_PARAMS, True)[0])
-        self._check_can_submit(None, len(prepared))
-        states = [self._submit(ids, EMBEDDING_PARAMS, None, labels=labels) for ids in prepared]
+        prepared = [(await self.tokenize(prompt, ids), None) for prompt, ids in zip(prompts, input_ids)]
+        return await self._embed_prepared(prepared, labels)
+
+    async def embed_pairs(self, pairs: list[tuple[str, str]], labels: dict[str, str] | None = None) -> list[RequestState]:
+        """A cross-encoder's score of each (query, document) pair, tokenized as the tokenizer
+        joins a pair (its separators, and the second text in segment 1)."""
+        if not self.limits.embedding or self.tokenizer is None:
+            raise InvalidRequest("scoring text pairs needs a cross-encoder and its tokenizer")
+        for query, document in pairs:
+            check_text(query, "the query")
+            check_text(document, "a document")
+
+        def encode(pair: tuple[str, str]) -> tuple[list[int], list[int] | None]:
+            encoded = self.tokenizer(*pair)
+            return encoded["input_ids"], encoded.get("token_type_ids")
+
+        prepared = [await self.off_loop(encode, pair) for pair in pairs]
+        return await self._embed_prepared(prepared, labels)
+
+    async def _embed_prepared(self, prepared: list[tuple[list[int], list[int] | None]],
+                              labels: dict[str, str] | None) -> list[RequestState]:
+        fitted = []
+        for ids, types in prepared:
+            kept = self.limits.fit(ids, EMBEDDING_PARAMS, True)[0]
+            fitted.append((kept, types[len(types) - len(kept):] if types else None))   # cut alike
+
+        self._check_can_submit(None, len(fitted))
+        states = [self._submit(ids, EMBEDDING_PARAMS, None, labels=labels, token_type_ids=types)
+                  for ids, types in fitted]
         return [state for [state] in await self.wait([[state] for state in states])]
 
     async def probe(self) -> RequestState:

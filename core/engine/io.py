@@ -19,6 +19,7 @@ class GenerateRequest:
     params: SamplingParams
     priority: int = 0
     session_id: str | None = None   # the session whose latest turn this is (its KV stays cached)
+    token_type_ids: list[int] | None = None   # segment of each token: a cross-encoder's text pair
 
 
 @dataclass

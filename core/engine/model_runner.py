@@ -107,7 +107,11 @@ class ModelRunner:
         impl = self._choose_impl()
         # An embedding server pools each prompt's final hidden states instead of generating.
         self.is_embedding = bool(args.is_embedding) or not impl.is_generation(self.config)
-        self.pooling = Pooling.for_model(self.model_dir) if self.is_embedding else None
+        # A cross-encoder's output is its classifier's score of each request (a pair of texts).
+        self.is_cross_encoder = self.is_embedding and any(
+            a.endswith("ForSequenceClassification") for a in getattr(self.config, "architectures", None) or [])
+        self.pooling = (Pooling("score", normalize=False) if self.is_cross_encoder else Pooling.for_model(self.model_dir)) \
+            if self.is_embedding else None
         # An encoder attends within each request's own tokens and keeps nothing between passes.
         self.keeps_kv = impl.is_generation(self.config)
         self.dtype = served_dtype(args.dtype, method, self.is_embedding)
@@ -233,7 +237,7 @@ class ModelRunner:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, out_cache_loc: torch.Tensor,
                 kv_slots: torch.Tensor, prefix_lens: list[int], extend_lens: list[int],
                 logits_indices: torch.Tensor | None = None, mode: ForwardMode | None = None,
-                capture_layers: tuple[int, ...] = ()) -> ModelOutput:
+                capture_layers: tuple[int, ...] = (), token_type_ids: torch.Tensor | None = None) -> ModelOutput:
         """One forward pass (see ForwardBatch); mode defaults to DECODE when every request
         extends by one token, EXTEND otherwise."""
         decode = all(e == 1 for e in extend_lens)
@@ -248,7 +252,7 @@ class ModelRunner:
         batch = ForwardBatch(input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc,
                              kv_slots=kv_slots, prefix_lens=prefix_lens, extend_lens=extend_lens,
                              kv_cache=self.kv_cache, attention=attention, logits_indices=logits_indices,
-                             mode=mode, capture_layers=capture_layers)
+                             mode=mode, capture_layers=capture_layers, token_type_ids=token_type_ids)
         out = self.model(batch)
         if isinstance(out, torch.Tensor):   # a model written before ModelOutput: logits alone
             out = ModelOutput(out)

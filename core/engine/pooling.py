@@ -17,7 +17,8 @@ import torch
 
 logger = logging.getLogger("srv.engine")
 
-METHODS = ("cls", "mean", "max", "last")
+# "score": the model pools itself (a cross-encoder's classifier): its output row is the vector.
+METHODS = ("cls", "mean", "max", "last", "score")
 # sentence-transformers' Pooling config keys, in the order it concatenates the poolings it has on.
 SENTENCE_TRANSFORMERS_MODES = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean",
                                "pooling_mode_max_tokens": "max", "pooling_mode_lasttoken": "last"}
@@ -34,6 +35,8 @@ class Pooling:
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [tokens, dim] of one prompt, float32 -> [dim]."""
+        if self.method == "score":
+            raise ValueError("a cross-encoder's score is its own output, not a pooling of hidden states")
         if self.method == "cls":
             vector = hidden[0]
         elif self.method == "mean":

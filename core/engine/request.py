@@ -56,6 +56,7 @@ class Req:
     skipped_since: float | None = None   # when admission first passed it over for lack of KV memory
     embedding: list[float] | None = None  # the pooled prompt, on an embedding server
     session_id: str | None = None         # a session's turn: its KV stays locked in the prefix cache
+    token_type_ids: list[int] | None = None   # segment of each prompt token (a cross-encoder's pair)
 
     @property
     def token_ids(self) -> list[int]:

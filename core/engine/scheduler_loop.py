@@ -55,7 +55,7 @@ class SchedulerLoop:
     def handle(self, message: Message) -> list[RequestOutput | ControlResult]:
         if isinstance(message, GenerateRequest):
             req = Req(message.rid, message.input_ids, message.params, priority=message.priority,
-                      session_id=message.session_id)
+                      session_id=message.session_id, token_type_ids=message.token_type_ids)
             try:
                 self.scheduler.add(req)
             except Exception as exc:

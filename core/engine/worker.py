@@ -182,8 +182,13 @@ class Worker:
         # speculative workers, which capture layers of their own, are refused such requests).
         capture = self.capture_layers or ((self.runner.num_layers,) if any(
             item.req.params.return_hidden_states for item in batch) else ())
+        segments = None
+        if any(item.req.token_type_ids for item in batch):
+            segments = torch.tensor([t for item in batch for t in (item.req.token_type_ids or [0] * item.req.seq_len)
+                                     [item.req.kv_len: item.req.kv_len + item.extend]])
         out = self.runner.forward(torch.tensor(ids), torch.cat(positions), torch.cat(locs), kv_slots, prefix_lens,
-                                  extends, logits_indices, ForwardMode.TARGET_VERIFY if verify else None, capture)
+                                  extends, logits_indices, ForwardMode.TARGET_VERIFY if verify else None, capture,
+                                  segments)
         logits = out.logits
         if capture:
             offset = 0
@@ -318,10 +323,15 @@ class EmbeddingWorker(Worker):
 
     def __init__(self, runner: ModelRunner, *args: Any) -> None:
         super().__init__(runner, *args)
-        self.capture_layers = (runner.num_layers,)
+        self.scores = runner.pooling.method == "score"
+        self.capture_layers = () if self.scores else (runner.num_layers,)
 
     def run(self, batch: list[ScheduledReq]) -> BatchResult:
-        batch, _ = self._forward_isolating_failures(batch)
+        batch, logits = self._forward_isolating_failures(batch)
+        if self.scores:   # the model's own output, a row a request
+            for item, row in zip(batch, logits.tolist()):
+                item.req.embedding = row
+            return BatchResult([RequestResult(item, [], []) for item in batch])
         for item in batch:
             if item.hidden.shape[0] != item.req.prompt_len:
                 raise RuntimeError(f"request {item.req.rid}: an embedding needs its prompt in one pass")

@@ -122,6 +122,7 @@ class ForwardBatch:
         the residual stream entering layer i (0: the embeddings), num_layers the final norm's
         output (what the head reads), as Hugging Face's `output_hidden_states` numbers them.
         Draft heads read them (EAGLE the last, EAGLE3 three of the layers').
+    token_type_ids: see the field.
     """
 
     input_ids: torch.Tensor
@@ -136,6 +137,9 @@ class ForwardBatch:
     logits_indices: torch.Tensor | None = None
     mode: ForwardMode = ForwardMode.EXTEND
     capture_layers: tuple[int, ...] = ()
+    # Segment ids of the new tokens [T], for encoders whose input is a pair of texts (a
+    # cross-encoder's query and document); None: every token is in segment 0.
+    token_type_ids: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:

@@ -101,6 +101,7 @@ def run_scheduler_process(args: Namespace, sockets: SchedulerSockets) -> None:
         "max_running_requests": scheduler.max_running,
         "eos_token_ids": scheduler.eos_ids,
         "is_generation": not runner.is_embedding,
+        "is_cross_encoder": runner.is_cross_encoder,
         "hidden_size": getattr(config, "hidden_size", None),
         # Sentence-transformers' Matryoshka models name the prefixes of their embeddings that
         # still work as embeddings (a list, or true for any).

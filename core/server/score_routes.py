@@ -1,6 +1,7 @@
 """Scoring routes: SGLang's /v1/score (the probabilities of label tokens after a query and an
-item, on a generation model) and /v1/rerank (documents ordered by relevance to a query: the
-cosine of their embeddings, on an embedding model).
+item, on a generation model) and /v1/rerank (documents ordered by relevance to a query: a
+cross-encoder's score of each (query, document) pair, or on an embedding model the cosine of
+their embeddings).
 
 Each item of /v1/score runs as a request of its own whose one output position reports the
 labels' log-probabilities (`token_ids_logprob`); items after a shared query find it in the
@@ -82,13 +83,21 @@ class ScoreRoutes:
         self.context.log.request("/v1/rerank", body)
         frontend = self.context.frontend
         if not frontend.limits.embedding:
-            raise APIError("reranking compares embeddings: serve an embedding model (an encoder, or --is-embedding)")
-        texts = [body.query, *body.documents]
-        states = await until_done(request, frontend.embed(texts, [None] * len(texts), self.context.labels(request)))
-        query, *documents = [checked(state).embedding for state in states]
+            raise APIError("reranking needs a cross-encoder or an embedding model (an encoder, or --is-embedding)")
+        labels = self.context.labels(request)
+        if self.context.model_info.get("is_cross_encoder"):
+            pairs = [(body.query, document) for document in body.documents]
+            states = [checked(s) for s in await until_done(request, frontend.embed_pairs(pairs, labels))]
+            scores = [state.embedding[0] for state in states]
+        else:
+            texts = [body.query, *body.documents]
+            everything = await until_done(request, frontend.embed(texts, [None] * len(texts), labels))
+            query, *documents = [checked(state).embedding for state in everything]
+            states = everything[1:]
+            scores = [cosine(query, vector) for vector in documents]
         results: list[dict[str, Any]] = []
-        for index, (text, vector, state) in enumerate(zip(body.documents, documents, states[1:])):
-            result: dict[str, Any] = {"score": cosine(query, vector), "index": index,
+        for index, (text, score, state) in enumerate(zip(body.documents, scores, states)):
+            result: dict[str, Any] = {"score": score, "index": index,
                                       "meta_info": {"id": state.rid, "prompt_tokens": len(state.prompt_ids)}}
             if body.return_documents:
                 result["document"] = text

@@ -58,18 +58,24 @@ def register_attention() -> None:
 
 
 class TransformersEncoder(TransformersModel):
-    """A transformers encoder (its base model, without task heads) on packed requests.
+    """A transformers encoder on packed requests: its base model (embedding models), or a
+    cross-encoder (`...ForSequenceClassification`, BERT and RoBERTa families).
 
-    forward(batch) returns a ModelOutput with no logit columns and the hidden states
-    `batch.capture_layers` names, of every token; load_weights is TransformersModel's."""
+    forward(batch) returns a ModelOutput: for a base model no logit columns, and the hidden
+    states `batch.capture_layers` names, of every token; for a cross-encoder each request's
+    score, its classifier's output on the request's first token ([CLS]) with the sigmoid a
+    single-label cross-encoder's score takes (as sentence-transformers' CrossEncoder gives it).
+    load_weights is TransformersModel's."""
 
     def __init__(self, config: Any) -> None:
         nn.Module.__init__(self)
-        from transformers import AutoModel
+        from transformers import AutoModel, AutoModelForSequenceClassification
 
         register_attention()
         self.config = config
-        self.hf = AutoModel.from_config(config, attn_implementation=ATTENTION_NAME)
+        self.classifies = is_cross_encoder(config)
+        build = AutoModelForSequenceClassification if self.classifies else AutoModel
+        self.hf = build.from_config(config, attn_implementation=ATTENTION_NAME)
         if self.hf.config._attn_implementation != ATTENTION_NAME:
             raise RuntimeError(f"{type(self.hf).__name__} did not take attention implementation {ATTENTION_NAME!r}")
         # RoBERTa-style embeddings number positions from padding_idx + 1 (transformers derives
@@ -83,25 +89,51 @@ class TransformersEncoder(TransformersModel):
         # Segment 0 for every token, as a tokenizer gives a single text; passed explicitly because
         # the model's default buffer is only max_position_embeddings long and the packed
         # sequence may be longer.
-        out = self.hf(input_ids=ids, position_ids=positions, token_type_ids=torch.zeros_like(ids),
-                      output_hidden_states=bool(batch.capture_layers), **{BATCH_KWARG: batch})
+        segments = batch.token_type_ids[None] if batch.token_type_ids is not None else torch.zeros_like(ids)
+        base = self.hf.base_model if self.classifies else self.hf
+        out = base(input_ids=ids, position_ids=positions, token_type_ids=segments,
+                   output_hidden_states=bool(batch.capture_layers), **{BATCH_KWARG: batch})
         hidden = torch.cat([out.hidden_states[i][0] for i in batch.capture_layers], -1).float() \
             if batch.capture_layers else None
-        return ModelOutput(torch.empty(batch.logits_rows().numel(), 0), hidden)
+        if not self.classifies:
+            return ModelOutput(torch.empty(batch.logits_rows().numel(), 0), hidden)
+        first = torch.tensor([0, *batch.extend_lens[:-1]]).cumsum(0)
+        return ModelOutput(self._scores(out.last_hidden_state[0, first][:, None]), hidden)
+
+    def _scores(self, cls_rows: torch.Tensor) -> torch.Tensor:
+        """[requests, 1, hidden] of the requests' first tokens -> [requests, labels]."""
+        if getattr(self.hf.base_model, "pooler", None) is not None:   # BERT: the pooler, then the classifier
+            logits = self.hf.classifier(self.hf.base_model.pooler(cls_rows))
+        else:   # RoBERTa's classification head reads the first token itself
+            logits = self.hf.classifier(cls_rows)
+        logits = logits.float()
+        return torch.sigmoid(logits) if logits.shape[-1] == 1 else logits
+
+
+# Cross-encoders whose classification head srv applies to the first token's hidden state.
+CROSS_ENCODER_TYPES = {"bert", "roberta", "xlm-roberta"}
+
+
+def is_cross_encoder(config: Any) -> bool:
+    return any(a.endswith("ForSequenceClassification") for a in getattr(config, "architectures", None) or [])
 
 
 def supports(config: Any) -> bool:
-    """Encoder-only architectures transformers builds as a base model (`AutoModel`) whose
-    attention dispatches through AttentionInterface and takes absolute position ids."""
+    """Encoder-only architectures transformers builds as a base model (`AutoModel`), or as a
+    BERT- or RoBERTa-family cross-encoder, whose attention dispatches through AttentionInterface
+    and takes absolute position ids."""
     import transformers
-    from transformers import AutoModel
+    from transformers import AutoModel, AutoModelForSequenceClassification
 
     if int(transformers.__version__.split(".")[0]) < 5:
         return False
     if getattr(config, "is_decoder", False) or getattr(config, "is_encoder_decoder", False):
         return False
+    classifies = is_cross_encoder(config)
+    if classifies and config.model_type not in CROSS_ENCODER_TYPES:
+        return False
     try:
-        model_class = AutoModel._model_mapping[type(config)]
+        model_class = (AutoModelForSequenceClassification if classifies else AutoModel)._model_mapping[type(config)]
     except (KeyError, ValueError):
         return False
     architectures = getattr(config, "architectures", None) or []
