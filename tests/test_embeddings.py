@@ -143,7 +143,9 @@ def test_a_generation_model_refuses_embeddings(tiny_models):
 
 @pytest.fixture(scope="module")
 def server(minilm_dir):
-    server = Server("--model-path", str(minilm_dir), "--api-key", API_KEY, "--served-model-name", "minilm")
+    # Declared a Matryoshka model (as such checkpoints' configs say), so `dimensions` may cut it.
+    server = Server("--model-path", str(minilm_dir), "--api-key", API_KEY, "--served-model-name", "minilm",
+                    "--json-model-override-args", '{"matryoshka_dimensions": [128, 256]}')
     yield server
     server.stop()
 
@@ -180,6 +182,7 @@ def test_encode_route(server, reference):
     ("/v1/embeddings", {"model": "minilm", "input": []}, 400, "input"),
     ("/v1/embeddings", {"model": "minilm", "input": [30522]}, 400, None),
     ("/v1/embeddings", {"model": "minilm", "input": "x", "dimensions": 64}, 400, "dimensions"),
+    ("/v1/embeddings", {"model": "minilm", "input": "x", "dimensions": 512}, 400, "dimensions"),
     ("/v1/embeddings", {"model": "minilm", "input": "x", "encoding_format": "hex"}, 400, "encoding_format"),
     ("/v1/embeddings", {"model": "minilm", "input": "word " * 600}, 400, None),
     ("/encode", {}, 400, "text"),
@@ -253,3 +256,10 @@ def test_a_cross_encoder_reranks_pairs_as_sentence_transformers_scores_them(cros
         assert info["is_cross_encoder"] is True and info["is_generation"] is False
     finally:
         server.stop()
+
+
+def test_dimensions_cut_a_matryoshka_embedding_and_normalize_it_again(server):
+    client = openai.OpenAI(base_url=f"{server.base}/v1", api_key=API_KEY)
+    full = torch.tensor(client.embeddings.create(model="minilm", input=TEXTS[0]).data[0].embedding)
+    cut = torch.tensor(client.embeddings.create(model="minilm", input=TEXTS[0], dimensions=128).data[0].embedding)
+    torch.testing.assert_close(cut, torch.nn.functional.normalize(full[:128], dim=0), atol=1e-6, rtol=1e-5)

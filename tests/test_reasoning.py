@@ -118,3 +118,25 @@ def test_separate_reasoning_route(server):
     bad = post(server, "/separate_reasoning", {"text": "x", "reasoning_parser": "nope"})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "reasoning_parser"
     assert post(server, "/separate_reasoning", {"reasoning_parser": "kimi"}).json()["error"]["param"] == "text"
+
+
+# A chat template that opens the reasoning in the prompt, as DeepSeek-R1's and Qwen3's thinking
+# models' templates do: the output starts inside it.
+OPENING_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                    "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}")
+OPENED_SHAPE = r"[a-z]{2,8}( [a-z]{2,8}){1,3}\n</think>\n\n[A-Z][a-z]{2,8}( [a-z]{2,8}){1,3}\."
+
+
+def test_a_template_that_opens_the_reasoning_with_deepseek_r1(tmp_path):
+    template = tmp_path / "opening.jinja"
+    template.write_text(OPENING_TEMPLATE)
+    server = Server("--api-key", API_KEY, "--reasoning-parser", "deepseek-r1", "--chat-template", str(template))
+    try:
+        body = {**chat(), "regex": OPENED_SHAPE}
+        message = post(server, "/v1/chat/completions", body).json()["choices"][0]["message"]
+        assert re.fullmatch(OPENED_SHAPE, f"{message['reasoning_content']}\n</think>\n\n{message['content']}")
+        deltas = stream_deltas(server, {**body, "stream": True})
+        assert "".join(d.get("reasoning_content") or "" for d in deltas) == message["reasoning_content"]
+        assert "".join(d.get("content") or "" for d in deltas) == message["content"]
+    finally:
+        server.stop()
