@@ -46,14 +46,8 @@ NOT_SUPPORTED_YET = frozenset({
     "--node-rank",
     # Model override args
     # LoRA
-    "--enable-lora",
-    "--max-lora-rank",
-    "--lora-target-modules",
-    "--lora-paths",
-    "--max-loras-per-batch",
     "--max-loaded-loras",
     "--lora-eviction-policy",
-    "--lora-backend",
     "--max-lora-chunk-size",
     # Kernel backends (attention, sampling, grammar, GEMM)
     "--mm-attention-backend",

@@ -21,6 +21,7 @@ from typing import Any, AsyncIterator, Callable, TypeVar
 from srv.engine.grammar import GrammarCompiler
 from srv.engine.io import AbortRequest, ControlRequest, ControlResult, GenerateRequest, RequestOutput
 from srv.engine.limits import RequestLimits
+from srv.engine.lora import parse_lora_paths
 from srv.engine.params import (InvalidRequest, SamplingParamsInput, choice_seed, make_sampling_params,
                                max_new_tokens_given)
 from srv.engine.request_state import RequestState
@@ -81,6 +82,7 @@ class Frontend:
         self._call_ids = itertools.count()
         self._not_started: set[str] = set()
         self.sessions = Sessions()
+        self.lora_names = [name for name, _ in parse_lora_paths(server_args.lora_paths)]
         self.dead: str | None = None
         # Called with (state, output) after every update: the server's metrics, logs and traces.
         self.observers: list[Callable[[RequestState, RequestOutput], None]] = []
@@ -169,6 +171,9 @@ class Frontend:
             raise InvalidRequest("the served model is an embedding model: it generates no text "
                                  "(use /v1/embeddings or /encode)")
         params = make_sampling_params(raw_params)
+        if params.lora_path is not None and params.lora_path not in self.lora_names:
+            raise InvalidRequest(f"no LoRA adapter {params.lora_path!r} is loaded (loaded: "
+                                 f"{', '.join(self.lora_names) or 'none: launch with --lora-paths'})", "lora_path")
         if params.custom_logit_processor is not None:
             await self.check_logit_processor(params.custom_logit_processor)
         if params.return_hidden_states:

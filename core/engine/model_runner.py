@@ -15,6 +15,7 @@ import torch
 
 from srv.backend_registry import AUTO, NONE, BackendRegistry, BackendUnavailable
 from srv.engine.default_model import default_model_path
+from srv.engine.lora import LoRAAdapter, LoRAManager, lora_target_modules, parse_lora_paths
 from srv.engine.pooling import Pooling
 from srv.sdk.attention import AttentionBackend, ForwardBatch, ForwardMode, KVCache, KVCacheDtype
 from srv.sdk.models import ModelConfig, ModelImpl, ModelLoader, ModelOutput, materialize
@@ -123,6 +124,7 @@ class ModelRunner:
             method.apply(self.model)
         self.model.to(self.dtype).eval()
         impl.finalize(self.model)
+        self.lora = self._load_lora() if args.enable_lora or args.lora_paths else None
         logger.info("loaded %s (%s, %s) in %.1fs", path.name, self.config.architectures[0], self.dtype,
                     time.monotonic() - started)
         if self.pooling is not None:
@@ -139,6 +141,31 @@ class ModelRunner:
         self.sampler = registry.choose("sampling", args.sampling_backend).create(args)
         self.kv_cache_dtype: KVCacheDtype = registry.choose("kv_cache_dtype", args.kv_cache_dtype).create(args)
         self.kv_cache: KVCache | None = None
+
+    def _load_lora(self) -> LoRAManager:
+        args = self.args
+        if self.is_embedding:
+            raise ValueError("LoRA adapters serve generation models, not embedding models")
+        adapters = [LoRAAdapter.load(name, path) for name, path in parse_lora_paths(args.lora_paths)]
+        for adapter in adapters:
+            if args.max_lora_rank is not None and adapter.rank > args.max_lora_rank:
+                raise ValueError(f"adapter {adapter.name} has rank {adapter.rank}, over --max-lora-rank "
+                                 f"{args.max_lora_rank}")
+            allowed = lora_target_modules(args.lora_target_modules)
+            if allowed and not adapter.targets <= allowed:
+                raise ValueError(f"adapter {adapter.name} targets {sorted(adapter.targets - allowed)}, outside "
+                                 f"--lora-target-modules {sorted(allowed)}")
+        if len(adapters) > args.max_loras_per_batch:
+            raise ValueError(f"{len(adapters)} adapters but --max-loras-per-batch {args.max_loras_per_batch}: srv "
+                             "keeps every loaded adapter within each batch's reach")
+        # SGLang's default backend, triton, needs a GPU: unset (at that default), the best available serves.
+        name = args.lora_backend
+        registration = self.registry.registrations("lora_backend")
+        default = next((r for r in registration if r.name == name), None)
+        if name == "triton" and (default is None or not default.availability().ok):
+            name = AUTO
+        backend = self.registry.choose("lora_backend", name).create(args)
+        return LoRAManager(self.model, adapters, backend, self.dtype)
 
     def _choose_loader(self, path: Path) -> ModelLoader:
         if not path.exists():
@@ -237,7 +264,8 @@ class ModelRunner:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, out_cache_loc: torch.Tensor,
                 kv_slots: torch.Tensor, prefix_lens: list[int], extend_lens: list[int],
                 logits_indices: torch.Tensor | None = None, mode: ForwardMode | None = None,
-                capture_layers: tuple[int, ...] = (), token_type_ids: torch.Tensor | None = None) -> ModelOutput:
+                capture_layers: tuple[int, ...] = (), token_type_ids: torch.Tensor | None = None,
+                lora_slots: list[int] | None = None) -> ModelOutput:
         """One forward pass (see ForwardBatch); mode defaults to DECODE when every request
         extends by one token, EXTEND otherwise."""
         decode = all(e == 1 for e in extend_lens)
@@ -253,6 +281,8 @@ class ModelRunner:
                              kv_slots=kv_slots, prefix_lens=prefix_lens, extend_lens=extend_lens,
                              kv_cache=self.kv_cache, attention=attention, logits_indices=logits_indices,
                              mode=mode, capture_layers=capture_layers, token_type_ids=token_type_ids)
+        if self.lora is not None:
+            self.lora.set_batch(lora_slots or [-1] * len(extend_lens), extend_lens)
         out = self.model(batch)
         if isinstance(out, torch.Tensor):   # a model written before ModelOutput: logits alone
             out = ModelOutput(out)

@@ -101,6 +101,7 @@ class SamplingParamsInput(SharedSamplingFields):
     logprob_start_len: Annotated[int, Field(ge=-1)] | None = None
     token_ids_logprob: Annotated[list[TokenId], Field(max_length=MAX_TOKEN_IDS_LOGPROB)] | None = None
     return_hidden_states: bool | None = None
+    lora_path: NonEmptyStr | None = None   # a LoRA adapter's name (--lora-paths)
 
 
 def validation_error(exc: ValidationError) -> InvalidRequest:

@@ -237,7 +237,7 @@ class Scheduler:
         """Give a waiting request a table row and its cached prefix."""
         req.row = self.req_pool.allocate()
         req.cached_prefix_len = 0
-        if self.tree is not None:
+        if self._caches(req):
             # The last token must be computed to sample from it, so it never comes from the cache;
             # nor may the positions whose logits give prompt log-probabilities still wanted.
             limit = req.seq_len - 1
@@ -253,6 +253,11 @@ class Scheduler:
             self.req_pool.table[req.row, : slots.numel()] = slots
         req.kv_len = req.allocated = req.cached_prefix_len
 
+    def _caches(self, req: Req) -> bool:
+        """Whether the request's KV goes to (and comes from) the prefix cache: not an adapter's,
+        which the cache, keyed on tokens alone, would hand to the base model or another adapter."""
+        return self.tree is not None and req.params.lora_path is None
+
     def _release(self, req: Req) -> None:
         """Return a request's KV: full pages go to the prefix cache, the rest back to the pool."""
         self.worker.release(req)
@@ -260,7 +265,7 @@ class Scheduler:
             return
         page = self.allocator.page_size
         slots = self.req_pool.table[req.row, :req.allocated].clone()
-        if self.tree is not None:
+        if self._caches(req):
             aligned = req.kv_len // page * page
             already = self.tree.insert(req.token_ids[:aligned], slots[:aligned])
             self.allocator.free_slots(slots[req.cached_prefix_len: already])
@@ -464,7 +469,7 @@ class Scheduler:
             return []
         if self.tree is not None:
             for item in result.results:
-                if item.item.extend > 1:
+                if item.item.extend > 1 and self._caches(item.req):
                     self._cache_computed_prefix(item.req)
         forwarded_at = time.perf_counter()
         reqs = self._process(result)

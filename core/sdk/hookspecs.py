@@ -177,7 +177,7 @@ def srv_register_schedule_policies(register: Register) -> None:
 def srv_register_lora_backends(register: Register) -> None:
     """Register multi-LoRA kernels (`--lora-backend`).
 
-    No built-in backend yet: the base class a factory returns is defined with the first one.
+    factory(server_args) -> srv.sdk.lora.LoRABackend
     """
 
 

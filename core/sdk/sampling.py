@@ -46,6 +46,8 @@ class SamplingParams:
     # A srv.sdk.logit_processor.CustomLogitProcessor as the request sent it, and its parameters.
     custom_logit_processor: str | None = None
     custom_params: dict | None = None
+    # The LoRA adapter serving the request, by name (None: the base model).
+    lora_path: str | None = None
     # Constrained decoding: at most one of these (a JSON schema as text, a regex, an EBNF grammar).
     json_schema: str | None = None
     regex: str | None = None

@@ -76,6 +76,8 @@ class NativeRoutes:
             params = params.model_copy(update={"return_hidden_states": True})
         if body.custom_logit_processor is not None:
             params = params.model_copy(update={"custom_logit_processor": body.custom_logit_processor})
+        if body.lora_path is not None:
+            params = params.model_copy(update={"lora_path": body.lora_path})
         if body.return_logprob:
             params = params.model_copy(update={"logprobs": True, "top_logprobs": body.top_logprobs_num or 0,
                                                "logprob_start_len": body.logprob_start_len,

@@ -42,8 +42,9 @@ def response_format_schema(response_format: ResponseFormat | None) -> str | None
     return json.dumps(spec.schema_ or json.loads(ANY_JSON_OBJECT))
 
 
-def sampling_params(body: SamplingFields, logprobs: bool, top_logprobs: int = 0) -> dict[str, Any]:
-    params: dict[str, Any] = {}
+def sampling_params(body: SamplingFields, logprobs: bool, top_logprobs: int = 0,
+                    lora_path: str | None = None) -> dict[str, Any]:
+    params: dict[str, Any] = {"lora_path": lora_path} if lora_path else {}
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if max_tokens is not None:
         params["max_new_tokens"] = max_tokens
@@ -79,9 +80,18 @@ class OpenAIRoutes:
             template = Path(template).read_text(encoding="utf-8")
         self.chat_template = template or None
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.context.model_name:
-            raise APIError(f"the model {model!r} does not exist", 404, "model", "not_found_error")
+    def check_model(self, model: str | None) -> str | None:
+        """The LoRA adapter `model` names ("base:adapter" or the adapter's name; None: the base
+        model); a 404 for a model the server does not serve."""
+        if model is None or model == self.context.model_name:
+            return None
+        adapters = self.context.frontend.lora_names
+        base, _, adapter = model.rpartition(":")
+        if base == self.context.model_name and adapter in adapters:
+            return adapter
+        if model in adapters:
+            return model
+        raise APIError(f"the model {model!r} does not exist", 404, "model", "not_found_error")
 
     def _tokenizer(self) -> Any:
         if self.context.tokenizer is None:
@@ -98,7 +108,9 @@ class OpenAIRoutes:
                 "root": self.context.model_name, "max_model_len": self.context.frontend.context_len}
 
     async def models(self, request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [self._model_card()]})
+        adapters = [{**self._model_card(), "id": name, "parent": self.context.model_name}
+                    for name in self.context.frontend.lora_names]
+        return JSONResponse({"object": "list", "data": [self._model_card(), *adapters]})
 
     async def model(self, request: Request) -> Response:
         if request.path_params["model"] != self.context.model_name:
@@ -181,13 +193,13 @@ class OpenAIRoutes:
     async def completions(self, request: Request) -> Response:
         body = await read_body(request, CompletionRequest, self.context)
         self.context.log.request("/v1/completions", body)
-        self.check_model(body.model)
+        adapter = self.check_model(body.model)
         if body.suffix:
             raise APIError("suffix is not supported", param="suffix")
         logprobs = body.logprobs or 0
         prompts, ids = self._completion_prompts(body)
         check_choices(len(prompts), body.n)
-        params = sampling_params(body, body.logprobs is not None, logprobs)
+        params = sampling_params(body, body.logprobs is not None, logprobs, adapter)
         if body.echo and body.logprobs is not None:   # OpenAI's legacy API: the prompt's log-probabilities too
             params["logprob_start_len"] = 0
         groups = await self.context.frontend.submit(prompts, ids, [params] * len(prompts),
@@ -253,12 +265,12 @@ class OpenAIRoutes:
     async def chat_completions(self, request: Request) -> Response:
         body = await read_body(request, ChatCompletionRequest, self.context)
         self.context.log.request("/v1/chat/completions", body)
-        self.check_model(body.model)
+        adapter = self.check_model(body.model)
         check_choices(1, body.n)
         tools = ToolCalling.from_request(body.tools, body.tool_choice, self.context.tool_parser)
         # Rendering a long conversation takes a while: off the event loop.
         prompt = await self.context.frontend.off_loop(self.render_chat, body, tools)
-        params = sampling_params(body, bool(body.logprobs), body.top_logprobs or 0)
+        params = sampling_params(body, bool(body.logprobs), body.top_logprobs or 0, adapter)
         tool_schema = tools.json_schema() if tools is not None else None
         if tool_schema is not None:
             if any(kind in params for kind in GRAMMAR_KINDS):

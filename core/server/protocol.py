@@ -177,6 +177,7 @@ class GenerateRequest(StrictInput):
     session_params: SessionParamsInput | None = None
     return_hidden_states: bool | None = None   # with --enable-return-hidden-states
     custom_logit_processor: str | None = None  # with --enable-custom-logit-processor
+    lora_path: NonEmptyStr | None = None       # a LoRA adapter's name (--lora-paths)
 
 
 class AbortRequestBody(StrictInput):

@@ -184,12 +184,12 @@ class ResponsesRoutes:
     async def create(self, request: Request) -> Response:
         body = await read_body(request, ResponsesRequest, self.context)
         self.context.log.request("/v1/responses", body)
-        self.chat.check_model(body.model)
+        adapter = self.chat.check_model(body.model)
         messages = self._messages(body)
         chat = self._chat_request(body, messages)
         tools = ToolCalling.from_request(chat.tools, chat.tool_choice, self.context.tool_parser)
         prompt = await self.context.frontend.off_loop(self.chat.render_chat, chat, tools)
-        params = sampling_params(chat, bool(chat.logprobs), chat.top_logprobs or 0)
+        params = sampling_params(chat, bool(chat.logprobs), chat.top_logprobs or 0, adapter)
         tool_schema = tools.json_schema() if tools is not None else None
         if tool_schema is not None:
             params["json_schema"] = json.dumps(tool_schema)

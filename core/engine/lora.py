@@ -1,0 +1,155 @@
+"""LoRA adapters (`--enable-lora`, `--lora-paths`): PEFT-format adapters on srv's native models,
+a batch mixing requests of several adapters and of the base model.
+
+Each targeted linear layer is wrapped in a `LoRALayer`: the base product for every row, then
+the `--lora-backend` plugin adds each request's adapter's product into the columns of the
+projection it targets (q, k and v share the fused qkv_proj; gate and up share gate_up_proj).
+The model runner tells the layers which rows belong to which adapter before each forward pass
+(`LoRAManager.set_batch`). A request names its adapter by `lora_path` (or the OpenAI routes'
+`model`); adapters are loaded at launch, in the order given, slot 0 first.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger("srv.engine")
+
+# PEFT's module names on srv's layers: (fused layer, position of the shard in it).
+TARGETS = {"q_proj": ("self_attn.qkv_proj", 0), "k_proj": ("self_attn.qkv_proj", 1),
+           "v_proj": ("self_attn.qkv_proj", 2), "o_proj": ("self_attn.o_proj", 0),
+           "gate_proj": ("mlp.gate_up_proj", 0), "up_proj": ("mlp.gate_up_proj", 1),
+           "down_proj": ("mlp.down_proj", 0)}
+PEFT_KEY = re.compile(r"(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight")
+
+
+def lora_target_modules(values: list[str] | str | None) -> set[str]:
+    """--lora-target-modules as PEFT module names (the fused names stand for their parts); empty:
+    any ("all", or unset)."""
+    values = [values] if isinstance(values, str) else list(values or [])
+    if not values or "all" in values:
+        return set()
+    fused = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+    return {part for value in values for part in fused.get(value, [value])}
+
+
+def parse_lora_paths(values: list[str] | None) -> list[tuple[str, str]]:
+    """(name, path) of each --lora-paths entry: PATH, NAME=PATH, or SGLang's JSON
+    {"lora_name": ..., "lora_path": ...}."""
+    adapters = []
+    for value in values or []:
+        if value.lstrip().startswith("{"):
+            entry = json.loads(value)
+            name, path = entry["lora_name"], entry["lora_path"]
+        elif "=" in value:
+            name, path = value.split("=", 1)
+        else:
+            name, path = Path(value).name, value
+        if any(name == known for known, _ in adapters):
+            raise ValueError(f"--lora-paths names adapter {name!r} twice")
+        adapters.append((name, path))
+    return adapters
+
+
+@dataclass
+class LoRAAdapter:
+    name: str
+    rank: int
+    scaling: float
+    targets: set[str]
+    weights: dict[tuple[int, str], tuple[Any, Any]]   # (layer, PEFT module) -> (A [r, in], B [out, r])
+
+    @classmethod
+    def load(cls, name: str, path: str | Path) -> LoRAAdapter:
+        """A PEFT adapter directory: adapter_config.json and adapter_model.safetensors (or .bin)."""
+        import torch
+
+        path = Path(path)
+        config = json.loads((path / "adapter_config.json").read_text())
+        if config.get("peft_type", "LORA") != "LORA":
+            raise ValueError(f"adapter {name}: peft_type {config.get('peft_type')!r} is not LORA")
+        for unsupported in ("use_dora", "modules_to_save"):
+            if config.get(unsupported):
+                raise ValueError(f"adapter {name}: {unsupported} is not supported")
+        rank, alpha = int(config["r"]), float(config.get("lora_alpha", config["r"]))
+        scaling = alpha / rank ** 0.5 if config.get("use_rslora") else alpha / rank
+        files = path / "adapter_model.safetensors"
+        if files.exists():
+            from safetensors.torch import load_file
+
+            tensors = load_file(str(files))
+        else:
+            tensors = torch.load(path / "adapter_model.bin", map_location="cpu", weights_only=True)
+        pieces: dict[tuple[int, str], dict[str, Any]] = {}
+        for key, tensor in tensors.items():
+            match = PEFT_KEY.fullmatch(key)
+            if match is None:
+                raise ValueError(f"adapter {name}: weight {key} is not a LoRA product srv applies")
+            layer, module, side = int(match[1]), match[2], match[3]
+            if module not in TARGETS:
+                raise ValueError(f"adapter {name}: target module {module} is not one srv's layers have "
+                                 f"({', '.join(TARGETS)})")
+            pieces.setdefault((layer, module), {})[side] = tensor
+        weights = {key: (sides["A"], sides["B"]) for key, sides in pieces.items()}
+        return cls(name, rank, scaling, {module for _, module in weights}, weights)
+
+
+class LoRAManager:
+    """The loaded adapters and the wrapped layers of one model."""
+
+    def __init__(self, model: Any, adapters: list[LoRAAdapter], backend: Any, dtype: Any) -> None:
+        from srv.engine.lora_layer import LoRALayer
+        from srv.sdk.lora import LoRAProduct
+
+        layers = getattr(model, "layers", None)
+        if layers is None or not all(hasattr(layer, "self_attn") and hasattr(layer, "mlp") for layer in layers):
+            raise ValueError("LoRA adapters apply to srv's native models (--model-impl srv)")
+        self.adapters, self.backend = adapters, backend
+        self.slots = {adapter.name: slot for slot, adapter in enumerate(adapters)}
+        self.segments: list = []
+        for index, layer in enumerate(layers):
+            attention = layer.self_attn
+            sizes = {"self_attn.qkv_proj": [attention.q_size, attention.kv_size, attention.kv_size],
+                     "self_attn.o_proj": [None], "mlp.gate_up_proj": [layer.mlp.intermediate_size] * 2,
+                     "mlp.down_proj": [None]}
+            for fused, shard_sizes in sizes.items():
+                products = []
+                for adapter in adapters:
+                    own = []
+                    for module, (target, shard) in TARGETS.items():
+                        if target != fused or (index, module) not in adapter.weights:
+                            continue
+                        a, b = adapter.weights[(index, module)]
+                        offset = sum(shard_sizes[:shard]) if shard_sizes[0] is not None else 0
+                        own.append(LoRAProduct(offset, a.to(dtype), b.to(dtype), adapter.scaling))
+                    products.append(own)
+                if any(products):
+                    parent_name, _, leaf = fused.rpartition(".")
+                    parent = layer.get_submodule(parent_name)
+                    setattr(parent, leaf, LoRALayer(getattr(parent, leaf), products, self))
+        logger.info("LoRA: %d adapter(s) (%s) on %s", len(adapters), ", ".join(self.slots),
+                    type(backend).__name__)
+
+    def slot(self, name: str | None) -> int:
+        """The adapter's slot (-1: the base model)."""
+        if name is None:
+            return -1
+        if name not in self.slots:
+            raise ValueError(f"no LoRA adapter {name!r} is loaded (loaded: {', '.join(self.slots) or 'none'})")
+        return self.slots[name]
+
+    def set_batch(self, slots: list[int], extend_lens: list[int]) -> None:
+        """Which rows of the next forward pass belong to which adapter (each request's rows)."""
+        from srv.sdk.lora import LoRASegment
+
+        segments, start = [], 0
+        for slot, length in zip(slots, extend_lens):
+            if slot >= 0:
+                segments.append(LoRASegment(slot, start, start + length))
+            start += length
+        self.segments = segments

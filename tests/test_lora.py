@@ -1,0 +1,114 @@
+"""LoRA adapters against PEFT on the same base and adapter: random adapters of different ranks
+and target modules on tiny Llama and Qwen3 models, alone and in a batch that mixes adapters and
+the base model; the prefix cache never hands one adapter's KV to another; the routes."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import pytest
+import torch
+
+import srv
+
+from test_engine import random_prompts
+
+NEW_TOKENS = 8
+ADAPTERS = {"small": (4, ["q_proj", "v_proj"]), "wide": (8, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                              "up_proj", "down_proj"]),
+            "mlp": (2, ["down_proj", "up_proj"])}
+
+
+def make_adapter(base: Path, folder: Path, rank: int, targets: list[str], seed: int) -> Path:
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    peft = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets,
+                                            init_lora_weights=False))   # random A and B, not a no-op
+    peft.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def setup(request, tiny_models, tmp_path_factory):
+    base = tiny_models[request.param]
+    root = tmp_path_factory.mktemp(f"lora-{request.param}")
+    adapters = {name: make_adapter(base, root / name, rank, targets, seed)
+                for seed, (name, (rank, targets)) in enumerate(ADAPTERS.items())}
+    return base, adapters
+
+
+@functools.cache
+def peft_greedy(base: str, adapter: str | None, prompt: tuple[int, ...]) -> list[int]:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    if adapter is not None:
+        model = PeftModel.from_pretrained(model, adapter)
+    model.eval()
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def test_a_mixed_batch_gives_each_request_its_adapters_output(setup):
+    base, adapters = setup
+    paths = [f"{name}={path}" for name, path in adapters.items()]
+    prompts = random_prompts(8, seed=7)
+    names = [None, "small", "wide", "mlp"] * 2
+    params = [{"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True,
+               **({"lora_path": name} if name else {})} for name in names]
+    with srv.Engine(model_path=str(base), dtype="float32", lora_paths=paths, page_size=4) as engine:
+        together = engine.generate(input_ids=prompts, sampling_params=params)
+        # The same prompt under each adapter, one after another: the prefix cache holds the base
+        # model's KV of it, which no adapter may take.
+        same = [engine.generate(input_ids=prompts[0], sampling_params=p) for p in params[:4]]
+        with pytest.raises(ValueError, match="no LoRA adapter 'absent'"):
+            engine.generate(input_ids=prompts[0], sampling_params={"lora_path": "absent"})
+    for prompt, name, result in zip(prompts, names, together):
+        want = peft_greedy(str(base), str(adapters[name]) if name else None, tuple(prompt))
+        assert result["output_ids"] == want, name
+    for name, result in zip(names[:4], same):
+        assert result["output_ids"] == peft_greedy(str(base), str(adapters[name]) if name else None, tuple(prompts[0]))
+
+
+def test_adapters_change_the_output_and_the_routes_select_them(setup):
+    from test_server import AUTH, API_KEY, Server, post
+
+    base, adapters = setup
+    prompt = random_prompts(1, seed=11)[0]
+    outputs = {name: peft_greedy(str(base), str(path), tuple(prompt)) for name, path in adapters.items()}
+    assert any(output != peft_greedy(str(base), None, tuple(prompt)) for output in outputs.values())
+    server = Server("--api-key", API_KEY, "--model-path", str(base), "--served-model-name", "tiny",
+                    "--lora-paths", f"wide={adapters['wide']}", "--max-lora-rank", "8")
+    try:
+        import httpx
+
+        models = httpx.get(f"{server.base}/v1/models", headers=AUTH).json()["data"]
+        assert [m["id"] for m in models] == ["tiny", "wide"] and models[1]["parent"] == "tiny"
+        params = {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
+        native = post(server, "/generate", {"input_ids": prompt, "sampling_params": params, "lora_path": "wide"})
+        assert native.json()["output_ids"] == outputs["wide"]
+        for model in ("tiny:wide", "wide"):
+            completion = post(server, "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": NEW_TOKENS,
+                                                          "temperature": 0, "ignore_eos": True}).json()
+            assert completion["choices"][0]["text"] == native.json()["text"], model
+        assert post(server, "/v1/completions", {"model": "tiny:other", "prompt": "x"}).status_code == 404
+        assert post(server, "/generate", {"text": "x", "lora_path": "other"}).status_code == 400
+    finally:
+        server.stop()
+
+
+def test_lora_flags_are_checked_at_launch(setup, tmp_path):
+    base, adapters = setup
+    with pytest.raises(ValueError, match="over --max-lora-rank 4"):
+        srv.Engine(model_path=str(base), lora_paths=[f"wide={adapters['wide']}"], max_lora_rank=4)
+    with pytest.raises(ValueError, match="outside --lora-target-modules"):
+        srv.Engine(model_path=str(base), lora_paths=[f"mlp={adapters['mlp']}"], lora_target_modules=["q_proj"])
+    with pytest.raises(SystemExit):
+        srv.Engine(model_path=str(base), lora_paths=[f"mlp={adapters['mlp']}"], lora_backend="csgmv")
