@@ -5,6 +5,7 @@ the base model; the prefix cache never hands one adapter's KV to another; the ro
 from __future__ import annotations
 
 import functools
+import time
 from pathlib import Path
 
 import pytest
@@ -112,3 +113,40 @@ def test_lora_flags_are_checked_at_launch(setup, tmp_path):
         srv.Engine(model_path=str(base), lora_paths=[f"mlp={adapters['mlp']}"], lora_target_modules=["q_proj"])
     with pytest.raises(SystemExit):
         srv.Engine(model_path=str(base), lora_paths=[f"mlp={adapters['mlp']}"], lora_backend="csgmv")
+
+
+def test_adapters_load_and_unload_at_run_time(setup):
+    import threading
+
+    base, adapters = setup
+    prompt = random_prompts(1, seed=12)[0]
+    greedy = {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
+    with srv.Engine(model_path=str(base), dtype="float32", enable_lora=True, max_loras_per_batch=1) as engine:
+        assert engine.generate(input_ids=prompt, sampling_params=greedy)["output_ids"] == \
+            peft_greedy(str(base), None, tuple(prompt))
+        assert engine.load_lora_adapter("small", str(adapters["small"])) == ["small"]
+        with pytest.raises(ValueError, match="--max-loras-per-batch"):
+            engine.load_lora_adapter("wide", str(adapters["wide"]))
+        with pytest.raises(ValueError, match="already loaded"):
+            engine.load_lora_adapter("small", str(adapters["small"]))
+        with pytest.raises(ValueError, match="adapter_config.json"):
+            engine.load_lora_adapter("missing", "/nonexistent/adapter")
+        assert engine.generate(input_ids=prompt, sampling_params={**greedy, "lora_path": "small"})["output_ids"] == \
+            peft_greedy(str(base), str(adapters["small"]), tuple(prompt))
+        # An adapter in use is not unloaded under its request.
+        long = threading.Thread(target=lambda: engine.generate(
+            input_ids=prompt, sampling_params={**greedy, "max_new_tokens": 400, "lora_path": "small"}))
+        long.start()
+        deadline = time.monotonic() + 30
+        while not engine.status()["running_requests"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        with pytest.raises(ValueError, match="serves 1 request"):
+            engine.unload_lora_adapter("small")
+        long.join(timeout=120)
+        assert engine.unload_lora_adapter("small") == []
+        with pytest.raises(ValueError, match="no LoRA adapter 'small'"):
+            engine.generate(input_ids=prompt, sampling_params={**greedy, "lora_path": "small"})
+        assert engine.load_lora_adapter("wide", str(adapters["wide"])) == ["wide"]
+        assert engine.generate(input_ids=prompt, sampling_params={**greedy, "lora_path": "wide"})["output_ids"] == \
+            peft_greedy(str(base), str(adapters["wide"]), tuple(prompt))

@@ -174,6 +174,13 @@ class Engine:
         results = [_checked(state).embedding_result() for state in states]
         return results if batched else results[0]
 
+    def load_lora_adapter(self, lora_name: str, lora_path: str) -> list[str]:
+        """Load a PEFT adapter (the server launched with --enable-lora); returns the loaded names."""
+        return self._run(self.frontend.load_lora_adapter(lora_name, lora_path))
+
+    def unload_lora_adapter(self, lora_name: str) -> list[str]:
+        return self._run(self.frontend.unload_lora_adapter(lora_name))
+
     def flush_cache(self) -> bool:
         return self._run(self.frontend.control("flush_cache"))
 

@@ -391,6 +391,14 @@ class Frontend:
     def abort(self, rid: str) -> None:
         self.send(AbortRequest(rid))
 
+    async def load_lora_adapter(self, name: str, path: str) -> list[str]:
+        self.lora_names = await self.control("load_lora_adapter", lora_name=name, lora_path=path)
+        return self.lora_names
+
+    async def unload_lora_adapter(self, name: str) -> list[str]:
+        self.lora_names = await self.control("unload_lora_adapter", lora_name=name)
+        return self.lora_names
+
     def open_session(self, capacity: int, session_id: str | None = None) -> str:
         return self.sessions.open(capacity, session_id)
 

@@ -100,40 +100,70 @@ class LoRAAdapter:
 
 
 class LoRAManager:
-    """The loaded adapters and the wrapped layers of one model."""
+    """The loaded adapters and the wrapped layers of one model. Every layer an adapter can target
+    is wrapped from the start, so adapters load and unload at run time without touching the
+    model again (a wrapped layer with no adapter in the batch costs one check)."""
 
-    def __init__(self, model: Any, adapters: list[LoRAAdapter], backend: Any, dtype: Any) -> None:
+    def __init__(self, model: Any, adapters: list[LoRAAdapter], backend: Any, dtype: Any, capacity: int) -> None:
         from srv.engine.lora_layer import LoRALayer
-        from srv.sdk.lora import LoRAProduct
 
         layers = getattr(model, "layers", None)
         if layers is None or not all(hasattr(layer, "self_attn") and hasattr(layer, "mlp") for layer in layers):
             raise ValueError("LoRA adapters apply to srv's native models (--model-impl srv)")
-        self.adapters, self.backend = adapters, backend
-        self.slots = {adapter.name: slot for slot, adapter in enumerate(adapters)}
+        self.backend, self.dtype, self.capacity = backend, dtype, capacity
+        self.adapters: list[LoRAAdapter | None] = []   # by slot; None: a free slot
+        self.slots: dict[str, int] = {}
         self.segments: list = []
+        # (layer index, fused layer name) -> (its wrapper, the columns each of its shards starts at)
+        self.layers: dict[tuple[int, str], tuple[Any, list[int]]] = {}
         for index, layer in enumerate(layers):
             attention = layer.self_attn
-            sizes = {"self_attn.qkv_proj": [attention.q_size, attention.kv_size, attention.kv_size],
-                     "self_attn.o_proj": [None], "mlp.gate_up_proj": [layer.mlp.intermediate_size] * 2,
-                     "mlp.down_proj": [None]}
-            for fused, shard_sizes in sizes.items():
-                products = []
-                for adapter in adapters:
-                    own = []
-                    for module, (target, shard) in TARGETS.items():
-                        if target != fused or (index, module) not in adapter.weights:
-                            continue
-                        a, b = adapter.weights[(index, module)]
-                        offset = sum(shard_sizes[:shard]) if shard_sizes[0] is not None else 0
-                        own.append(LoRAProduct(offset, a.to(dtype), b.to(dtype), adapter.scaling))
-                    products.append(own)
-                if any(products):
-                    parent_name, _, leaf = fused.rpartition(".")
-                    parent = layer.get_submodule(parent_name)
-                    setattr(parent, leaf, LoRALayer(getattr(parent, leaf), products, self))
-        logger.info("LoRA: %d adapter(s) (%s) on %s", len(adapters), ", ".join(self.slots),
+            offsets = {"self_attn.qkv_proj": [0, attention.q_size, attention.q_size + attention.kv_size],
+                       "self_attn.o_proj": [0], "mlp.gate_up_proj": [0, layer.mlp.intermediate_size],
+                       "mlp.down_proj": [0]}
+            for fused, starts in offsets.items():
+                parent_name, _, leaf = fused.rpartition(".")
+                parent = layer.get_submodule(parent_name)
+                wrapper = LoRALayer(getattr(parent, leaf), [], self)
+                setattr(parent, leaf, wrapper)
+                self.layers[(index, fused)] = (wrapper, starts)
+        for adapter in adapters:
+            self.add(adapter)
+        logger.info("LoRA: %d adapter(s)%s on %s", len(adapters), f" ({', '.join(self.slots)})" if adapters else "",
                     type(backend).__name__)
+
+    def add(self, adapter: LoRAAdapter) -> int:
+        """Load an adapter into a free slot (every loaded adapter stays within a batch's reach:
+        at most `capacity` of them)."""
+        from srv.sdk.lora import LoRAProduct
+
+        if adapter.name in self.slots:
+            raise ValueError(f"a LoRA adapter named {adapter.name!r} is already loaded")
+        if len(self.slots) >= self.capacity:
+            raise ValueError(f"{len(self.slots)} LoRA adapters are loaded, the most --max-loras-per-batch "
+                             f"({self.capacity}) allows: unload one first")
+        slot = next((i for i, a in enumerate(self.adapters) if a is None), len(self.adapters))
+        if slot == len(self.adapters):
+            self.adapters.append(None)
+            for wrapper, _ in self.layers.values():
+                wrapper.products.append([])
+        for (index, module), (a, b) in adapter.weights.items():
+            fused, shard = TARGETS[module]
+            if (index, fused) not in self.layers:
+                raise ValueError(f"adapter {adapter.name}: the model has no layer {index}")
+            wrapper, starts = self.layers[(index, fused)]
+            wrapper.products[slot].append(LoRAProduct(starts[shard], a.to(self.dtype), b.to(self.dtype),
+                                                      adapter.scaling))
+        self.adapters[slot] = adapter
+        self.slots[adapter.name] = slot
+        return slot
+
+    def remove(self, name: str) -> None:
+        slot = self.slot(name)
+        del self.slots[name]
+        self.adapters[slot] = None
+        for wrapper, _ in self.layers.values():
+            wrapper.products[slot] = []
 
     def slot(self, name: str | None) -> int:
         """The adapter's slot (-1: the base model)."""

@@ -146,18 +146,7 @@ class ModelRunner:
         args = self.args
         if self.is_embedding:
             raise ValueError("LoRA adapters serve generation models, not embedding models")
-        adapters = [LoRAAdapter.load(name, path) for name, path in parse_lora_paths(args.lora_paths)]
-        for adapter in adapters:
-            if args.max_lora_rank is not None and adapter.rank > args.max_lora_rank:
-                raise ValueError(f"adapter {adapter.name} has rank {adapter.rank}, over --max-lora-rank "
-                                 f"{args.max_lora_rank}")
-            allowed = lora_target_modules(args.lora_target_modules)
-            if allowed and not adapter.targets <= allowed:
-                raise ValueError(f"adapter {adapter.name} targets {sorted(adapter.targets - allowed)}, outside "
-                                 f"--lora-target-modules {sorted(allowed)}")
-        if len(adapters) > args.max_loras_per_batch:
-            raise ValueError(f"{len(adapters)} adapters but --max-loras-per-batch {args.max_loras_per_batch}: srv "
-                             "keeps every loaded adapter within each batch's reach")
+        adapters = [self.load_lora_adapter(name, path) for name, path in parse_lora_paths(args.lora_paths)]
         # SGLang's default backend, triton, needs a GPU: unset (at that default), the best available serves.
         name = args.lora_backend
         registration = self.registry.registrations("lora_backend")
@@ -165,7 +154,19 @@ class ModelRunner:
         if name == "triton" and (default is None or not default.availability().ok):
             name = AUTO
         backend = self.registry.choose("lora_backend", name).create(args)
-        return LoRAManager(self.model, adapters, backend, self.dtype)
+        return LoRAManager(self.model, adapters, backend, self.dtype, args.max_loras_per_batch)
+
+    def load_lora_adapter(self, name: str, path: str) -> LoRAAdapter:
+        """A PEFT adapter read and checked against --max-lora-rank and --lora-target-modules."""
+        args = self.args
+        adapter = LoRAAdapter.load(name, path)
+        if args.max_lora_rank is not None and adapter.rank > args.max_lora_rank:
+            raise ValueError(f"adapter {adapter.name} has rank {adapter.rank}, over --max-lora-rank {args.max_lora_rank}")
+        allowed = lora_target_modules(args.lora_target_modules)
+        if allowed and not adapter.targets <= allowed:
+            raise ValueError(f"adapter {adapter.name} targets {sorted(adapter.targets - allowed)}, outside "
+                             f"--lora-target-modules {sorted(allowed)}")
+        return adapter
 
     def _choose_loader(self, path: Path) -> ModelLoader:
         if not path.exists():

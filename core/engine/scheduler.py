@@ -168,6 +168,10 @@ class Scheduler:
     # ---- requests in and out -------------------------------------------------------------
 
     def add(self, req: Req) -> None:
+        if req.params.lora_path is not None:
+            if self.runner.lora is None:
+                raise ValueError("LoRA adapters need --enable-lora (or --lora-paths) at launch")
+            self.runner.lora.slot(req.params.lora_path)   # unloaded since the front end checked: refused
         spec = req.params.grammar
         if spec is not None:
             if self.grammars is None:

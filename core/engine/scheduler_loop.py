@@ -250,6 +250,31 @@ class SchedulerLoop:
         logger.info("memory resumed: %s", ", ".join(sorted(tags)) or "nothing was released")
         return True
 
+    def control_load_lora_adapter(self, lora_name: str, lora_path: str) -> list[str]:
+        """Load a PEFT adapter; returns the loaded adapters' names."""
+        runner = self.scheduler.runner
+        if runner.lora is None:
+            raise ValueError("LoRA adapters need --enable-lora (or --lora-paths) at launch")
+        try:
+            adapter = runner.load_lora_adapter(lora_name, lora_path)
+        except (OSError, KeyError) as exc:
+            raise ValueError(f"adapter {lora_name}: {type(exc).__name__}: {exc}") from None
+        runner.lora.add(adapter)
+        logger.info("LoRA adapter %s loaded from %s", lora_name, lora_path)
+        return list(runner.lora.slots)
+
+    def control_unload_lora_adapter(self, lora_name: str) -> list[str]:
+        """Unload an adapter no request uses (one in use is refused: its requests would change model)."""
+        runner, scheduler = self.scheduler.runner, self.scheduler
+        if runner.lora is None:
+            raise ValueError("LoRA adapters need --enable-lora (or --lora-paths) at launch")
+        users = [r for r in (*scheduler.running, *scheduler.waiting) if r.params.lora_path == lora_name]
+        if users:
+            raise ValueError(f"adapter {lora_name} serves {len(users)} request(s): unload it once they end")
+        runner.lora.remove(lora_name)
+        logger.info("LoRA adapter %s unloaded", lora_name)
+        return list(runner.lora.slots)
+
     def control_close_session(self, session_id: str) -> bool:
         self.scheduler.unpin_session(session_id)
         return True

@@ -300,12 +300,27 @@ class MemoryOccupationRequest(StrictInput):
     tags: Annotated[list[Literal["kv_cache", "weights"]], Field(min_length=1)] | None = None   # default: both
 
 
+class LoadLoRAAdapterRequest(StrictInput):
+    """POST /load_lora_adapter (with --enable-lora)."""
+
+    lora_name: NonEmptyStr
+    lora_path: NonEmptyStr
+    pinned: bool = False   # SGLang's: never evicted (srv evicts no adapter by itself)
+
+
+class UnloadLoRAAdapterRequest(StrictInput):
+    """POST /unload_lora_adapter."""
+
+    lora_name: NonEmptyStr
+
+
 class OperationResult(BaseModel):
     """What the operations routes answer (/pause_generation, /start_profile, ...)."""
 
     success: bool
     message: str
     path: str | None = None   # /start_profile and /stop_profile: the trace's file
+    loaded_adapters: list[str] | None = None   # /load_lora_adapter and /unload_lora_adapter
 
 
 class LoadEntry(BaseModel):

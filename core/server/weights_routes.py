@@ -1,7 +1,7 @@
 """SGLang's routes for the weights at run time: /update_weights_from_disk, /get_weights_by_name,
 /update_weight_version, and with --enable-memory-saver /release_memory_occupation and
 /resume_memory_occupation (on CPU: the KV pool and the weights dropped, then restored from the
-checkpoint)."""
+checkpoint); /load_lora_adapter and /unload_lora_adapter (with --enable-lora)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from srv.server.app import APIError, ServerContext, read_body, read_optional_body
-from srv.server.protocol import (GetWeightsByNameRequest, MemoryOccupationRequest, UpdateWeightVersionRequest,
-                                 UpdateWeightsFromDiskRequest)
+from srv.server.protocol import (GetWeightsByNameRequest, LoadLoRAAdapterRequest, MemoryOccupationRequest,
+                                 UnloadLoRAAdapterRequest, UpdateWeightVersionRequest, UpdateWeightsFromDiskRequest)
 
 
 class WeightsRoutes:
@@ -50,6 +50,16 @@ class WeightsRoutes:
         what = ", ".join(body.tags or ["kv_cache", "weights"])
         return JSONResponse({"success": True, "message": f"{method.removesuffix('_memory_occupation')}d: {what}"})
 
+    async def load_lora_adapter(self, request: Request) -> Response:
+        body = await read_body(request, LoadLoRAAdapterRequest, self.context)
+        loaded = await self.context.frontend.load_lora_adapter(body.lora_name, body.lora_path)
+        return JSONResponse({"success": True, "message": f"adapter {body.lora_name} loaded", "loaded_adapters": loaded})
+
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        body = await read_body(request, UnloadLoRAAdapterRequest, self.context)
+        loaded = await self.context.frontend.unload_lora_adapter(body.lora_name)
+        return JSONResponse({"success": True, "message": f"adapter {body.lora_name} unloaded", "loaded_adapters": loaded})
+
     async def release_memory_occupation(self, request: Request) -> Response:
         return await self._memory(request, "release_memory_occupation")
 
@@ -61,4 +71,5 @@ def weights_routes(context: ServerContext) -> list[Route]:
     routes = WeightsRoutes(context)
     return [Route(f"/{name}", getattr(routes, name), methods=["POST"])
             for name in ("update_weights_from_disk", "get_weights_by_name", "update_weight_version",
-                         "release_memory_occupation", "resume_memory_occupation")]
+                         "release_memory_occupation", "resume_memory_occupation", "load_lora_adapter",
+                         "unload_lora_adapter")]
