@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import srv
+from srv.sdk.testing import LoRABackendKit
 
 from test_engine import random_prompts
 
@@ -19,6 +20,10 @@ NEW_TOKENS = 8
 ADAPTERS = {"small": (4, ["q_proj", "v_proj"]), "wide": (8, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                                               "up_proj", "down_proj"]),
             "mlp": (2, ["down_proj", "up_proj"])}
+
+
+class TestTorchLoRA(LoRABackendKit):
+    backend_name = "torch"
 
 
 def make_adapter(base: Path, folder: Path, rank: int, targets: list[str], seed: int) -> Path:
@@ -150,3 +155,14 @@ def test_adapters_load_and_unload_at_run_time(setup):
         assert engine.load_lora_adapter("wide", str(adapters["wide"])) == ["wide"]
         assert engine.generate(input_ids=prompt, sampling_params={**greedy, "lora_path": "wide"})["output_ids"] == \
             peft_greedy(str(base), str(adapters["wide"]), tuple(prompt))
+
+
+def test_the_default_model_with_a_random_adapter(default_model_dir, tmp_path):
+    adapter = make_adapter(default_model_dir, tmp_path / "default-lora", 8, ["q_proj", "v_proj", "down_proj"], seed=9)
+    prompts = random_prompts(2, seed=13)
+    params = [{"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True, "lora_path": "mine"},
+              {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}]
+    with srv.Engine(model_path=str(default_model_dir), dtype="float32", lora_paths=[f"mine={adapter}"]) as engine:
+        adapted, base = engine.generate(input_ids=prompts, sampling_params=params)
+    assert adapted["output_ids"] == peft_greedy(str(default_model_dir), str(adapter), tuple(prompts[0]))
+    assert base["output_ids"] == peft_greedy(str(default_model_dir), None, tuple(prompts[1]))

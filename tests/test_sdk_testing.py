@@ -23,11 +23,12 @@ from srv.sdk.attention import AttentionBackend
 from srv.sdk.cache import EvictionPolicy
 from srv.sdk.scheduling import SchedulePolicy
 import test_grammar_backends
+import test_lora
 import test_reasoning
 import test_speculative
 import test_tool_parsers
 from srv.sdk.testing import (AttentionBackendKit, EvictionPolicyKit, GrammarBackendKit, ModelImplKit, ModelLoaderKit,
-                             QuantizationMethodKit, ReasoningParserKit, SamplerKit, SchedulePolicyKit,
+                             LoRABackendKit, QuantizationMethodKit, ReasoningParserKit, SamplerKit, SchedulePolicyKit,
                              SpeculativeAlgorithmKit,
                              ToolCallParserKit, hf_greedy,
                              registered_temporarily, tiny_llama, write_tiny_llama)
@@ -186,18 +187,19 @@ class TestGGUFQuantizationQ8_0(QuantizationMethodKit):
 KIT_FAMILIES = {AttentionBackendKit: "attention", SamplerKit: "sampling", EvictionPolicyKit: "eviction_policy",
                 SchedulePolicyKit: "schedule_policy", ModelLoaderKit: "load_format", ModelImplKit: "model_impl",
                 GrammarBackendKit: "grammar", ToolCallParserKit: "tool_call_parser",
-                ReasoningParserKit: "reasoning_parser",
+                ReasoningParserKit: "reasoning_parser", LoRABackendKit: "lora_backend",
                 QuantizationMethodKit: "quantization", SpeculativeAlgorithmKit: "speculative_algorithm"}
 NOT_KIT_TESTED = {("load_format", "gguf"): "needs a GGUF writer for make_checkpoint (tests/test_gguf_convert.py)",
                   ("load_format", "dummy"): "random weights by design: nothing to compare with transformers",
                   ("grammar", "none"): "refuses every grammar by design (tests/test_structured_output.py)",
-                  **{("quantization", name): "GPU kernels only: unavailable on CPU" for name in GPU_ONLY}}
+                  **{("quantization", name): "GPU kernels only: unavailable on CPU" for name in GPU_ONLY},
+                  **{("lora_backend", name): "GPU kernels only: unavailable on CPU" for name in ("triton", "csgmv")}}
 
 
 def test_every_builtin_backend_of_a_kit_family_is_tested():
     # Some families' kit classes live beside their other tests.
-    classes = [*globals().values(), *(cls for module in (test_grammar_backends, test_reasoning, test_speculative,
-                                                         test_tool_parsers) for cls in vars(module).values())]
+    classes = [*globals().values(), *(cls for module in (test_grammar_backends, test_lora, test_reasoning,
+                                                         test_speculative, test_tool_parsers) for cls in vars(module).values())]
     tested = {(family, cls.backend_name) for cls in classes if isinstance(cls, type)
               and cls.__name__.startswith("Test") for kit_class, family in KIT_FAMILIES.items()
               if issubclass(cls, kit_class)}

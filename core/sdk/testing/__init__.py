@@ -16,6 +16,7 @@ backend, and pytest runs every check of the kit on it::
 | GrammarBackendKit | grammar | backend_name or backend_factory | the grammar (jsonschema, re) |
 | ToolCallParserKit | tool_call_parser | backend_name or parser_factory | its own format_calls |
 | ReasoningParserKit | reasoning_parser | backend_name or parser_factory | its own format |
+| LoRABackendKit | lora_backend | backend_name or backend_factory | the plain products (float64) |
 | SchedulePolicyKit | schedule_policy | backend_name or policy_factory | (contract only) |
 | ModelLoaderKit | load_format | backend_name or loader_factory, make_checkpoint | transformers |
 | ModelImplKit | model_impl | backend_name or impl_factory, make_model_dir | transformers |
@@ -32,12 +33,13 @@ import pytest
 
 # The kits' plain `assert`s get pytest's detailed messages (registered before they are imported).
 pytest.register_assert_rewrite(*(f"{__name__}.{m}" for m in ("attention", "cache", "grammar", "models",
-                                                             "quantization", "reasoning", "sampling",
+                                                             "lora", "quantization", "reasoning", "sampling",
                                                              "scheduling", "speculative", "tools")))
 
 from srv.sdk.testing.attention import AttentionBackendKit  # noqa: E402
 from srv.sdk.testing.cache import EvictionPolicyKit  # noqa: E402
 from srv.sdk.testing.grammar import GrammarBackendKit  # noqa: E402
+from srv.sdk.testing.lora import LoRABackendKit  # noqa: E402
 from srv.sdk.testing.models import ModelImplKit, ModelLoaderKit  # noqa: E402
 from srv.sdk.testing.quantization import QuantizationMethodKit  # noqa: E402
 from srv.sdk.testing.reasoning import ReasoningParserKit  # noqa: E402
@@ -53,6 +55,7 @@ __all__ = [
     "AttentionBackendKit",
     "EvictionPolicyKit",
     "GrammarBackendKit",
+    "LoRABackendKit",
     "ModelImplKit",
     "ModelLoaderKit",
     "QuantizationMethodKit",
