@@ -86,17 +86,6 @@ NOT_SUPPORTED_YET = frozenset({
     "--mamba-full-memory-ratio",
     "--mamba-scheduler-strategy",
     "--mamba-track-interval",
-    # Multi-item scoring
-    # Hierarchical cache
-    "--enable-hierarchical-cache",
-    "--hicache-ratio",
-    "--hicache-size",
-    "--hicache-write-policy",
-    "--hicache-io-backend",
-    "--hicache-mem-layout",
-    "--hicache-storage-backend",
-    "--hicache-storage-prefetch-policy",
-    "--hicache-storage-backend-extra-config",
     # LMCache
     "--enable-lmcache",
     # Double sparsity

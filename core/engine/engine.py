@@ -94,6 +94,8 @@ class Engine:
         except Exception as exc:  # surface the failure to every waiting caller, then stop
             logger.exception("scheduler failed")
             self._events.call_soon_threadsafe(self.frontend.fail_all, f"scheduler failed: {exc!r}")
+        finally:
+            self.scheduler.close()
 
     # ---- requests -------------------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ import time
 import torch
 
 from srv.engine.memory import PagedSlotAllocator
-from srv.sdk.cache import EvictionPolicy
+from srv.sdk.cache import EvictionPolicy, PrefixCache
 
 _tiebreak = itertools.count()
 
@@ -35,7 +35,9 @@ class TreeNode:
         return len(self.key)
 
 
-class RadixCache:
+class RadixCache(PrefixCache):
+    node_class = TreeNode
+
     def __init__(self, allocator: PagedSlotAllocator, policy: EvictionPolicy) -> None:
         self.allocator = allocator
         self.page_size = allocator.page_size
@@ -44,14 +46,10 @@ class RadixCache:
         self.reset()
 
     def reset(self) -> None:
-        self.root = TreeNode([], torch.empty(0, dtype=torch.int64), None)
+        self.root = self.node_class([], torch.empty(0, dtype=torch.int64), None)
         self.root.lock_ref = 1
         self.evictable_tokens = 0
         self.protected_tokens = 0
-
-    @property
-    def cached_tokens(self) -> int:
-        return self.evictable_tokens + self.protected_tokens
 
     def _child_key(self, tokens: list[int]) -> tuple[int, ...]:
         return tuple(tokens[: self.page_size])
@@ -66,7 +64,7 @@ class RadixCache:
 
     def _split(self, node: TreeNode, at: int) -> TreeNode:
         """Cut `node` after `at` tokens; returns the new upper part."""
-        upper = TreeNode(node.key[:at], node.value[:at], node.parent)
+        upper = self.node_class(node.key[:at], node.value[:at], node.parent)
         upper.lock_ref, upper.hit_count, upper.last_access_time = node.lock_ref, node.hit_count, node.last_access_time
         upper.children[self._child_key(node.key[at:])] = node
         node.parent.children[self._child_key(node.key)] = upper
@@ -100,7 +98,7 @@ class RadixCache:
         while pos < len(tokens):
             child = node.children.get(self._child_key(tokens[pos:]))
             if child is None:
-                leaf = TreeNode(tokens[pos:], slots[pos:].clone(), node)
+                leaf = self.node_class(tokens[pos:], slots[pos:].clone(), node)
                 node.children[self._child_key(leaf.key)] = leaf
                 self.evictable_tokens += leaf.num_tokens
                 return pos

@@ -26,7 +26,7 @@ from srv.engine.grammar import GrammarCompiler
 from srv.engine.limits import RequestLimits
 from srv.engine.memory import OutOfKVMemory, PagedSlotAllocator, ReqToTokenPool
 from srv.engine.model_runner import ModelRunner
-from srv.engine.radix_cache import RadixCache
+from srv.engine.hicache import make_prefix_cache
 from srv.engine.request import FinishReason, Req
 from srv.engine.speculative import common_prefix_len, make_worker
 from srv.engine.worker import BatchResult, ScheduledReq, reportable
@@ -107,8 +107,7 @@ class Scheduler:
         max_context = -(-runner.context_len // page_size) * page_size
         self.req_pool = ReqToTokenPool(self.max_running, max_context)
         # An embedding pools every token of its prompt, so none may come from the prefix cache.
-        self.tree = None if args.disable_radix_cache or runner.is_embedding else RadixCache(
-            self.allocator, registry.choose("eviction_policy", args.radix_eviction_policy).create())
+        self.tree = make_prefix_cache(args, runner, self.allocator, registry)
         self.policy = registry.choose("schedule_policy", args.schedule_policy).create(args)
         self.chunk_size = args.chunked_prefill_size or DEFAULT_CPU_CHUNKED_PREFILL_SIZE
         if self.chunk_size <= 0:   # SGLang's -1: chunking off
@@ -180,6 +179,8 @@ class Scheduler:
         if (req.params.stop or req.params.stop_regex) and self.tokenizer is not None:
             req.stop_matcher = IncrementalDetokenizer.for_request(self.tokenizer, req.params)
         self.waiting.append(req)
+        if self._caches(req) and not req.params.return_hidden_states:
+            self.tree.prefetch(req.rid, req.token_ids[:req.seq_len - 1])
 
     def abort(self, rid: str) -> Req | None:
         for queue in (self.waiting, self.running):
@@ -250,7 +251,7 @@ class Scheduler:
                 limit = min(limit, max(wanted - 1, 0))
             if req.params.return_hidden_states and not req.output_ids:
                 limit = 0   # every position's hidden state is computed, none taken from the cache
-            slots, node = self.tree.match_prefix(req.token_ids[:limit])
+            slots, node = self.tree.load_prefix(req.token_ids[:limit], req.rid)
             self.tree.lock(node)
             req.cache_node = node
             req.cached_prefix_len = slots.numel()
@@ -265,6 +266,8 @@ class Scheduler:
     def _release(self, req: Req) -> None:
         """Return a request's KV: full pages go to the prefix cache, the rest back to the pool."""
         self.worker.release(req)
+        if self.tree is not None:
+            self.tree.forget(req.rid)
         if req.row is None:
             return
         page = self.allocator.page_size
@@ -362,6 +365,8 @@ class Scheduler:
                     break
                 if self._shares_uncached_prefix(req, [item.req for item in scheduled]):
                     continue
+                if self.tree is not None and not self.tree.prefetch_ready(req.rid):
+                    continue   # its prompt's pages are still coming from storage
                 if not self._try_admit(req, budget, [item.req for item in scheduled]):
                     if self._may_pass_over(req):
                         continue
@@ -564,6 +569,11 @@ class Scheduler:
             req.finish_reason = FinishReason.LENGTH
 
     # ---- introspection ---------------------------------------------------------------------
+
+    def close(self) -> None:
+        """The loop ended: let the prefix cache finish its writes to storage."""
+        if self.tree is not None:
+            self.tree.close()
 
     def kv_tokens_in_use(self) -> int:
         """Slots held by requests or the prefix cache (what must be zero after a flush when idle)."""

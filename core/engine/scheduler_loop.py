@@ -165,6 +165,15 @@ class SchedulerLoop:
     def control_flush_cache(self) -> bool:
         return self.scheduler.flush_cache()
 
+    def control_clear_hicache_storage_backend(self) -> bool:
+        """Remove every page the hierarchical cache's storage backend holds."""
+        clear = getattr(self.scheduler.tree, "clear_storage", None)
+        if clear is None:
+            raise ValueError("no hierarchical cache storage: launch with --enable-hierarchical-cache and "
+                             "--hicache-storage-backend")
+        clear()
+        return True
+
     def control_pause_generation(self, mode: str = "abort") -> bool:
         """Stop stepping. mode "abort" ends every request (as aborted), "retract" gives the
         running requests' KV back (they resume from the prefix cache), "in_place" keeps it all."""
@@ -294,6 +303,7 @@ class SchedulerLoop:
             "kv_tokens_in_use": scheduler.kv_tokens_in_use(),
             "kv_capacity_tokens": scheduler.allocator.capacity_tokens,
             "prefix_cached_tokens": scheduler.tree.cached_tokens if scheduler.tree is not None else 0,
+            "hicache": scheduler.tree.stats() if scheduler.tree is not None else {},
             "gen_throughput": self.throughput(),
             **vars(scheduler.stats),
             "spec_accept_length": scheduler.stats.spec_accept_length,

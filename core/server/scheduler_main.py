@@ -118,6 +118,7 @@ def run_scheduler_process(args: Namespace, sockets: SchedulerSockets) -> None:
         # context, leaving the server to wait on a scheduler that is gone.
         logger.exception("the scheduler failed; exiting")
         os._exit(1)
+    scheduler.close()
     for socket in (requests, outputs):
         socket.close(linger=0)
     context.term()

@@ -1,7 +1,10 @@
-"""Cache plugins: eviction policies for the radix cache (`--radix-eviction-policy`) and the KV
-cache's storage formats (`--kv-cache-dtype`)."""
+"""Cache plugins: eviction policies for the radix cache (`--radix-eviction-policy`), the KV
+cache's storage formats (`--kv-cache-dtype`) and the hierarchical cache's storage backends
+(`--hicache-storage-backend`)."""
 
-from srv.sdk import hookimpl
+import importlib.util
+
+from srv.sdk import Availability, hookimpl
 
 SRV_SDK_VERSION = ">=0.1,<0.2"
 
@@ -24,3 +27,36 @@ def srv_register_kv_cache_dtypes(register):
     register("fp8_e5m2", "srv.plugins.cache.kv_dtypes:Float8E5M2",
              description="float8 e5m2 with a scale a layer (--quantization-param-path), read back into the "
                          "served dtype")
+
+
+# The distributed stores SGLang offers: the client package and the service each needs.
+SERVICE_STORES = {
+    "mooncake": ("mooncake", "the Mooncake store client (pip install mooncake-transfer-engine), a Mooncake master "
+                             "and metadata server, and RDMA or TCP transfer between nodes"),
+    "hf3fs": ("hf3fs_fuse", "a DeepSeek 3FS cluster mounted through its FUSE and usrbio client (hf3fs_fuse)"),
+    "nixl": ("nixl", "NVIDIA's NIXL transfer library (pip install nixl) with a GPU or RDMA NIC"),
+    "aibrix": ("aibrix_kvcache", "AIBrix's KV cache offloading framework (aibrix_kvcache) and its cache cluster"),
+    "eic": ("eic", "Volcano Engine's EIC elastic instant cache client and service"),
+}
+
+
+def needs_service(name: str):
+    module, what = SERVICE_STORES[name]
+
+    def check() -> Availability:
+        if importlib.util.find_spec(module) is None:
+            return Availability.no(f"needs {what}")
+        return Availability.no(f"{module} is installed, but srv has no client for {name} yet: load one with "
+                               "--hicache-storage-backend dynamic")
+    return check
+
+
+@hookimpl
+def srv_register_hicache_storage_backends(register):
+    register("file", "srv.plugins.cache.storage:FileStorage", priority=10,
+             description="a file a page in a directory (extra config storage_dir; survives restarts)")
+    register("dynamic", "srv.plugins.cache.storage:DynamicStorage",
+             description="the HiCacheStorage class named by the extra config's module_path and class_name")
+    for name in SERVICE_STORES:
+        register(name, "srv.plugins.cache.storage:service_storage", available=needs_service(name),
+                 description=f"SGLang's {name} store: needs its service and client")
