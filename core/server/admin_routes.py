@@ -42,6 +42,10 @@ class AdminRoutes:
         path = await self.context.frontend.control("stop_profile")
         return JSONResponse({"success": True, "message": f"trace written to {path}", "path": path})
 
+    async def clear_hicache_storage_backend(self, request: Request) -> Response:
+        await self.context.frontend.control("clear_hicache_storage_backend")
+        return JSONResponse({"success": True, "message": "hierarchical cache storage backend cleared"})
+
     async def configure_logging(self, request: Request) -> Response:
         body = await read_body(request, ConfigureLoggingRequest, self.context)
         log = self.context.log
@@ -64,4 +68,5 @@ def admin_routes(context: ServerContext) -> list[Route]:
             Route("/continue_generation", routes.continue_generation, methods=["POST"]),
             Route("/start_profile", routes.start_profile, methods=both),
             Route("/stop_profile", routes.stop_profile, methods=both),
-            Route("/configure_logging", routes.configure_logging, methods=["POST"])]
+            Route("/configure_logging", routes.configure_logging, methods=["POST"]),
+            Route("/clear_hicache_storage_backend", routes.clear_hicache_storage_backend, methods=both)]

@@ -12,6 +12,7 @@ from argparse import Namespace
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from srv.engine.io import RequestOutput
@@ -47,6 +48,40 @@ def token_buckets(rule: list[str] | None) -> list[float]:
             raise ValueError("the 'custom' bucket rule takes at least one value")
         return sorted(set(numbers))
     raise ValueError(f"unknown bucket rule {kind!r}: use default, tse or custom")
+
+
+class HiCacheCollector:
+    """The hierarchical cache's counters (prefix tokens found in each tier, bytes moved between
+    tiers, storage pages that failed their checksum) from the scheduler's latest status."""
+
+    TIERS = {"device": "device_hit_tokens", "host": "host_hit_tokens", "storage": "storage_hit_tokens"}
+    MOVES = {"device_to_host": "device_to_host_bytes", "host_to_device": "host_to_device_bytes",
+             "storage_read": "storage_read_bytes", "storage_written": "storage_written_bytes"}
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.values: dict[str, int] = {}
+
+    def collect(self) -> Any:
+        v = self.values
+        if not v:
+            return
+        hits = CounterMetricFamily("sglang:hicache_hit_tokens", "Prompt tokens found in each cache tier",
+                                   labels=["model_name", "tier"])
+        for tier, key in self.TIERS.items():
+            hits.add_metric([self.model_name, tier], v.get(key, 0))
+        moved = CounterMetricFamily("sglang:hicache_bytes", "KV bytes moved between cache tiers",
+                                    labels=["model_name", "direction"])
+        for direction, key in self.MOVES.items():
+            if key in v:
+                moved.add_metric([self.model_name, direction], v[key])
+        corrupt = CounterMetricFamily("sglang:hicache_corrupt_pages", "Storage pages skipped: checksum failed",
+                                      labels=["model_name"])
+        corrupt.add_metric([self.model_name], v.get("storage_corrupt_pages", 0))
+        host = GaugeMetricFamily("sglang:hicache_host_tokens", "Tokens held by the host tier",
+                                 labels=["model_name"])
+        host.add_metric([self.model_name], v.get("host_tokens_in_use", 0))
+        yield from (hits, moved, corrupt, host)
 
 
 class ServerMetrics:
@@ -92,6 +127,8 @@ class ServerMetrics:
             "gen_throughput": Gauge("sglang:gen_throughput", "Generated tokens per second, recent",
                                     scheduler_labels, registry=r),
         }
+        self.hicache = HiCacheCollector(model_name)
+        r.register(self.hicache)
 
     def labels_from_headers(self, headers: Any) -> dict[str, str]:
         """The allowed custom labels found in the custom-labels header (a JSON object)."""
@@ -142,4 +179,5 @@ class ServerMetrics:
         }
         for key, gauge in self.gauges.items():
             gauge.labels(self.model_name).set(values[key])
+        self.hicache.values = status.get("hicache") or {}
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
