@@ -24,6 +24,8 @@ def load_command(base_url: str, workload: Workload, tokenizer: Path, fresh_conne
                "--tokenizer", str(tokenizer), "--json", "--disable-tqdm"]
     if workload.shared_prefix_len:
         command += ["--shared-prefix-len", str(workload.shared_prefix_len)]
+    if workload.num_shared_prefixes > 1:
+        command += ["--num-shared-prefixes", str(workload.num_shared_prefixes)]
     if workload.instruction:
         command += ["--instruction", workload.instruction]
     if fresh_connections:

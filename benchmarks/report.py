@@ -11,7 +11,9 @@ from benchmarks.stats import median, medians, ratio, repetition_ratios
 from benchmarks.workloads import (INPUT_LEN, OUTPUT_LEN, SHARED_PREFIX_LEN, STEADY_REQUESTS_PER_CLIENT, SWEEP, W1,
                                   W1_CONCURRENCY, W1_HOG, W2, W2_CONCURRENCY, W2_STEADY, W3, W3_NGRAM, W5, W5_NGRAM,
                                   C64, C64_FLOAT32, C64_INT8, FLOAT32_FLAGS, INT8_FLAGS, W1_FLOAT32, W1_INT8,
-                                  W3_INT8, sweep_name, workloads)
+                                  W3_INT8, W6, W6_FLAGS, W6_HICACHE, W6_HICACHE_FLAGS, W6_PREFIX_LEN, W6_PREFIXES,
+                                  sweep_name, workloads)
+from benchmarks.hicache_restart import RESTART_FLAGS, RESTART_PROMPT_LEN, restart_rows
 
 NOTES_BEGIN = "<!-- notes:begin (kept by `make bench`) -->"
 NOTES_END = "<!-- notes:end -->"
@@ -103,7 +105,9 @@ def workloads_table(quick: bool) -> list[str]:
         waves = workload.num_prompts / workload.concurrency
         arrival = ("all at once" if waves == 1 else
                    f"{workload.concurrency} clients, each sending its next request when its last ends")
-        prompt = (f"{workload.shared_prefix_len}-token shared prefix + " if workload.shared_prefix_len else "") + \
+        shared = "shared prefix" if workload.num_shared_prefixes == 1 else \
+            f"prefix (one of {workload.num_shared_prefixes}, cycled)"
+        prompt = (f"{workload.shared_prefix_len}-token {shared} + " if workload.shared_prefix_len else "") + \
             (f"chat: \"{workload.instruction}\" + " if workload.instruction else "") + \
             f"{workload.input_len} tokens in, {workload.output_len} out"
         server = f"srv `{' '.join(workload.srv_flags)}`" if workload.srv_flags else ""
@@ -287,6 +291,36 @@ def quantization_section(results: BenchResults) -> list[str]:
             *md_table(["ratio", "by repetition", "median"], rows, "lrr"), ""]
 
 
+def hicache_section(results: BenchResults) -> list[str]:
+    """W6 with the hierarchical cache against W6 without, within each repetition; and the first
+    request after a restart with file storage against a cold one, within each pair."""
+    lines = []
+    ratios = repetition_ratios(results.runs, SRV, SRV, W6_HICACHE, "ttft_median_s", W6)
+    if ratios:
+        table = medians(results.runs)
+        values = {w: table.get((SRV, w, "ttft_median_s")) for w in (W6, W6_HICACHE)}
+        lines += ["### Hierarchical cache", "",
+                  f"W6: {W6_PREFIXES} distinct {W6_PREFIX_LEN:,}-token system prompts cycled by {W2_CONCURRENCY} "
+                  f"clients on srv launched with `{' '.join(W6_FLAGS)}` (about two requests' context), without and "
+                  f"with `{' '.join(W6_HICACHE_FLAGS[len(W6_FLAGS):])}` (a host tier holding all eight); TTFT p50 as "
+                  "a ratio within each repetition (below 1× the hierarchical cache is faster).", "",
+                  *md_table(["", "TTFT p50 ms (median)", "hicache / without, by repetition", "median"],
+                            [["W6 without", f"{values[W6] * 1e3:.0f}" if values[W6] else "-", "", ""],
+                             ["W6 with the hierarchical cache",
+                              f"{values[W6_HICACHE] * 1e3:.0f}" if values[W6_HICACHE] else "-",
+                              ", ".join(f"{r:#.3g}" for r in ratios), f"{median(ratios):#.3g}×"]], "lrrr"), ""]
+    rows = restart_rows(results.runs)
+    if rows:
+        lines += [f"The first request after a restart: srv launched with `{' '.join(RESTART_FLAGS)}` on an empty "
+                  f"directory serves one {RESTART_PROMPT_LEN:,}-token prompt (cold), is stopped and launched again on "
+                  "the same directory, and serves it again (warm: its pages read from storage).", "",
+                  *md_table(["pair", "cold TTFT ms", "warm TTFT ms", "warm / cold"],
+                            [[str(p), f"{c * 1e3:.0f}", f"{w * 1e3:.0f}", f"{w / c:#.3g}×"] for p, c, w in rows],
+                            "rrrr"),
+                  "", f"Median warm / cold: {median([w / c for _, c, w in rows]):#.3g}×.", ""]
+    return lines
+
+
 def render(results: BenchResults, plot: str, notes: str) -> str:
     minutes = results.duration_s / 60
     lines = [
@@ -329,6 +363,7 @@ def render(results: BenchResults, plot: str, notes: str) -> str:
               *sweep_table(results), "",
               *speculative_section(results),
               *quantization_section(results),
+              *hicache_section(results),
               *grammar_section(results),
               *machine_section(results), "",
               *limits_section(results), "",

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from benchmarks.engine import REPO, BenchContext, Engine
 from benchmarks.grammar_cost import measure_grammar_cost
+from benchmarks.hicache_restart import RESTART, measure_restart
 from benchmarks.hf_engine import HfEngine
 from benchmarks.limits import measure_limits
 from benchmarks.llama_engine import LlamaEngine
@@ -102,11 +103,21 @@ def run_bench(options: BenchOptions) -> BenchResults:
             logger.error("grammar backends: %s", exc)
             results.errors.append(f"grammar mask cost failed: {str(exc).splitlines()[0]}")
 
+    restart_commands: list[str] = []
+    if "srv" in results.engines and (not options.only or RESTART in options.only):
+        logger.info("bench: the first request after a restart with file storage")
+        try:
+            restart_runs, restart_commands = measure_restart(context, 1)
+            results.runs += restart_runs
+        except Exception as exc:
+            logger.error("hicache restart: %s", exc)
+            results.errors.append(f"hicache restart failed: {str(exc).splitlines()[0]}")
+
     for engine in engines:
         results.commands.servers[engine.name] = engine.server_commands
         results.commands.loads[engine.name] = engine.load_commands
-    if grammar_commands:
-        results.commands.loads["srv"] = results.commands.loads.get("srv", []) + grammar_commands
+    if grammar_commands or restart_commands:
+        results.commands.loads["srv"] = results.commands.loads.get("srv", []) + grammar_commands + restart_commands
     results.machine["loadavg_end"] = load_average()
     results.duration_s = time.perf_counter() - started
     results.save(options.results_path)

@@ -19,6 +19,10 @@ speculative decoding is for. It and W3 run once more on srv with `--speculative-
 W3, W1 and the 64-stream point run again on srv with `--quantization w8a8_int8` (`-int8`), and W1
 and the 64-stream point on srv's dense float32 (`--quantization none --dtype float32`,
 `-float32`): the rows that compare int8 compute with float32 and with the peers.
+
+W6 does not fit the KV pool: 8 distinct 1,024-token system prompts cycled by 16 clients, on srv
+launched with a pool of about two requests' context (`--max-total-tokens`), without and with
+the hierarchical cache (a host tier holding all eight prompts): what the host tier is for.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ class Workload:
     endpoint: str = "completions"
     instruction: str = ""      # before each prompt's words (srv bench serve --instruction)
     srv_flags: tuple[str, ...] = ()   # served by srv launched with these flags, not by the peers
+    num_shared_prefixes: int = 1      # distinct shared prefixes, cycled (srv bench serve --num-shared-prefixes)
 
     @property
     def speculative(self) -> bool:
@@ -86,6 +91,14 @@ FLOAT32_FLAGS = ("--quantization", "none", "--dtype", "float32")
 C64 = sweep_name(64)
 W3_INT8, W1_INT8, C64_INT8 = (f"{w}-int8" for w in (W3, W1, C64))
 W1_FLOAT32, C64_FLOAT32 = (f"{w}-float32" for w in (W1, C64))
+W6_PREFIXES, W6_PREFIX_LEN, W6_OUTPUT_LEN, W6_REQUESTS_PER_CLIENT = 8, 1024, 32, 2
+# About two requests' context (1,024 + 128 in, 32 out): the pool holds two of the eight prompts.
+W6_POOL_TOKENS = 2400
+W6 = f"prefixes{W6_PREFIXES}"
+W6_HICACHE = f"{W6}-hicache"
+W6_FLAGS = ("--max-total-tokens", str(W6_POOL_TOKENS))
+# A host tier of four pools (9,600 tokens) holds all eight prompts.
+W6_HICACHE_FLAGS = (*W6_FLAGS, "--enable-hierarchical-cache", "--hicache-ratio", "4")
 
 
 # What a peer's candidate configurations are compared on: one wave of W1.
@@ -108,4 +121,8 @@ def workloads(quick: bool) -> list[Workload]:
             for name, c in ((W3_INT8, 1), (W1_INT8, W1_CONCURRENCY), (C64_INT8, 64))]
     float32 = [Workload(name, c, num_prompts(c, quick), srv_flags=FLOAT32_FLAGS)
                for name, c in ((W1_FLOAT32, W1_CONCURRENCY), (C64_FLOAT32, 64))]
-    return sweep + [burst, steady, hog, repeat] + speculative + int8 + float32
+    hierarchical = [Workload(name, W2_CONCURRENCY, W2_CONCURRENCY * (1 if quick else W6_REQUESTS_PER_CLIENT),
+                             output_len=W6_OUTPUT_LEN, shared_prefix_len=W6_PREFIX_LEN,
+                             num_shared_prefixes=W6_PREFIXES, srv_flags=flags)
+                    for name, flags in ((W6, W6_FLAGS), (W6_HICACHE, W6_HICACHE_FLAGS))]
+    return sweep + [burst, steady, hog, repeat] + speculative + int8 + float32 + hierarchical

@@ -49,6 +49,11 @@ def fake_results() -> BenchResults:
         runs.append(Run("llama.cpp", rep, "repeat", serve_metrics(50.0, tpot=0.010 * scale)))
         runs.append(Run("srv", rep, "repeat-ngram", {**serve_metrics(50.0, tpot=0.008 * scale),
                                                      "spec_accept_length": 3.5}))
+        runs.append(Run("srv", rep, "prefixes8", serve_metrics(20.0, ttft=3.0 * scale)))
+        runs.append(Run("srv", rep, "prefixes8-hicache", serve_metrics(60.0, ttft=0.6 * scale)))
+    for pair, cold in enumerate((1.0, 1.2, 0.8)):
+        runs.append(Run("srv", 1, f"restart-{pair}-cold", serve_metrics(1.0, ttft=cold)))
+        runs.append(Run("srv", 1, f"restart-{pair}-warm", serve_metrics(1.0, ttft=cold / 4)))
     # A run that lost requests must not move the medians.
     runs.append(Run("srv", 4, W1, serve_metrics(1.0, failed=3)))
     limits = measure_limits(1_000_000, LimitSizes(bandwidth_bytes=1 << 20, matmul_k=32, matmul_n=32, seconds=0.0))
@@ -65,20 +70,25 @@ def fake_results() -> BenchResults:
 def test_workloads_reuse_the_sweep_for_w1_and_w3():
     names = [w.name for w in workloads(quick=False)]
     assert names == ["c1", "c4", "c16", "c64", "prefix16", "prefix16-steady", "c16-hog", "repeat", "c1-ngram",
-                     "repeat-ngram", "c1-int8", "c16-int8", "c64-int8", "c16-float32", "c64-float32"]
+                     "repeat-ngram", "c1-int8", "c16-int8", "c64-int8", "c16-float32", "c64-float32",
+                     "prefixes8", "prefixes8-hicache"]
     assert W1 == "c16" and W3 == "c1" and W2 == "prefix16"
     assert [num_prompts(c, False) for c in (1, 4, 16, 64)] == [4, 8, 16, 64]
     assert [num_prompts(c, True) for c in (1, 4, 16, 64)] == [2, 4, 16, 64]
-    burst, steady, hog, repeat, w3_ngram, repeat_ngram = workloads(quick=False)[-11:-5]
+    burst, steady, hog, repeat, w3_ngram, repeat_ngram = workloads(quick=False)[-13:-7]
     assert repeat.endpoint == repeat_ngram.endpoint == "chat" and repeat.instruction == repeat_ngram.instruction
     assert w3_ngram.speculative and repeat_ngram.speculative and not repeat.speculative
     assert burst.shared_prefix_len == steady.shared_prefix_len == 512 and burst.context_tokens == 768
     assert (burst.num_prompts, steady.num_prompts, steady.concurrency) == (16, 48, 16)
     assert hog.hog and not burst.hog and (hog.concurrency, hog.num_prompts) == (16, 16)
-    int8, float32 = workloads(quick=False)[-5:-2], workloads(quick=False)[-2:]
+    int8, float32, hierarchical = (workloads(quick=False)[-7:-4], workloads(quick=False)[-4:-2],
+                                   workloads(quick=False)[-2:])
     assert all(w.srv_flags == ("--quantization", "w8a8_int8") and not w.speculative for w in int8)
     assert [w.concurrency for w in int8 + float32] == [1, 16, 64, 16, 64]
     assert all(w.srv_flags == ("--quantization", "none", "--dtype", "float32") for w in float32)
+    w6, w6_hicache = hierarchical
+    assert (w6.num_shared_prefixes, w6.shared_prefix_len, w6.concurrency, w6.num_prompts) == (8, 1024, 16, 32)
+    assert w6_hicache.srv_flags[:len(w6.srv_flags)] == w6.srv_flags and "--enable-hierarchical-cache" in w6_hicache.srv_flags
 
 
 def test_median_and_ratio():
@@ -159,11 +169,14 @@ def test_report_has_the_medians_ratios_and_keeps_the_notes(tmp_path):
     w1 = next(line for line in by_rep.splitlines() if line.startswith("| W1:"))
     assert "| 0.800, 0.800, 0.800 | 0.800× | 2.00, 2.00, 2.00 | 2.00× |" in w1
     assert "Test CPU" in text and "exited with -4" in text
-    assert text.count("\n| srv | ") == 3 * 8 + 1                    # every run, the failed one too
+    assert text.count("\n| srv | ") == 3 * 10 + 6 + 1               # every run, the failed one too
     speculative = text.split("### Speculative decoding (NGRAM)", 1)[1]
     assert "| W5 with NGRAM / W5 srv default | 0.400, 0.400, 0.400 | 0.400× |" in speculative
     assert "| W5 with NGRAM / W5 llama.cpp | 0.800, 0.800, 0.800 | 0.800× |" in speculative
     assert "repeat-ngram: 3.50, 3.50, 3.50" in speculative
+    hierarchical = text.split("### Hierarchical cache", 1)[1]
+    assert "| W6 with the hierarchical cache | 600 | 0.200, 0.200, 0.200 | 0.200× |" in hierarchical
+    assert "| 1 | 1200 | 300 | 0.250× |" in hierarchical and "Median warm / cold: 0.250×." in hierarchical
     assert "A human wrote this." in text and "old" not in text.split("# Benchmarks")[0]
     write_report(results, report, plot)                              # regenerating keeps the notes once
     assert report.read_text().count("A human wrote this.") == 1

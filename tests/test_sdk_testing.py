@@ -20,18 +20,20 @@ from srv.plugin_manager import load_plugins
 from srv.plugins.attention.padded_sdpa import PaddedSDPAAttention
 from srv.plugins.sampling.pytorch_sampler import PyTorchSampler
 from srv.sdk.attention import AttentionBackend
-from srv.sdk.cache import EvictionPolicy
+from srv.sdk.cache import EvictionPolicy, HiCacheStorage, HiCacheStorageConfig
 from srv.sdk.scheduling import SchedulePolicy
 import test_grammar_backends
 import test_lora
 import test_reasoning
 import test_speculative
 import test_tool_parsers
-from srv.sdk.testing import (AttentionBackendKit, EvictionPolicyKit, GrammarBackendKit, ModelImplKit, ModelLoaderKit,
-                             LoRABackendKit, QuantizationMethodKit, ReasoningParserKit, SamplerKit, SchedulePolicyKit,
+from srv.sdk.testing import (AttentionBackendKit, EvictionPolicyKit, GrammarBackendKit, HiCacheStorageKit,
+                             ModelImplKit, ModelLoaderKit, LoRABackendKit, QuantizationMethodKit, ReasoningParserKit,
+                             SamplerKit, SchedulePolicyKit,
                              SpeculativeAlgorithmKit,
                              ToolCallParserKit, hf_greedy,
                              registered_temporarily, tiny_llama, write_tiny_llama)
+from srv.plugins.cache import SERVICE_STORES
 from srv.plugins.quantization import GPU_ONLY
 from srv.plugins.quantization.gguf import GGUFLinear, GGUFQuantization
 
@@ -58,6 +60,29 @@ class TestLRU(EvictionPolicyKit):
 
 class TestLFU(EvictionPolicyKit):
     backend_name = "lfu"
+
+
+class TestFileHiCacheStorage(HiCacheStorageKit):
+    backend_name = "file"
+
+
+class TestDynamicHiCacheStorage(HiCacheStorageKit):
+    backend_name = "dynamic"   # loading the file backend's class by name
+
+    def make_config(self, tmp_path: Path) -> HiCacheStorageConfig:
+        extra = {"module_path": "srv.plugins.cache.storage", "class_name": "FileStorage",
+                 "storage_dir": str(tmp_path / "store")}
+        return HiCacheStorageConfig(extra_config=extra, model_fingerprint="kit", page_bytes=4096)
+
+
+def test_dynamic_hicache_storage_refuses_other_classes_and_missing_names(tmp_path):
+    dynamic = load_plugins()[1].get("hicache_storage", "dynamic")
+    module = "srv.plugins.cache.storage"
+    for extra, says in [({"module_path": "collections", "class_name": "OrderedDict"}, "not a subclass"),
+                        ({"module_path": module}, "class_name"), ({"class_name": "FileStorage"}, "module_path"),
+                        ({"module_path": module, "class_name": "NoSuchStorage"}, "cannot load")]:
+        with pytest.raises(ValueError, match=says):
+            dynamic.create(HiCacheStorageConfig(extra_config={**extra, "storage_dir": str(tmp_path / "store")}))
 
 
 class TestFCFS(SchedulePolicyKit):
@@ -188,12 +213,14 @@ KIT_FAMILIES = {AttentionBackendKit: "attention", SamplerKit: "sampling", Evicti
                 SchedulePolicyKit: "schedule_policy", ModelLoaderKit: "load_format", ModelImplKit: "model_impl",
                 GrammarBackendKit: "grammar", ToolCallParserKit: "tool_call_parser",
                 ReasoningParserKit: "reasoning_parser", LoRABackendKit: "lora_backend",
-                QuantizationMethodKit: "quantization", SpeculativeAlgorithmKit: "speculative_algorithm"}
+                QuantizationMethodKit: "quantization", SpeculativeAlgorithmKit: "speculative_algorithm",
+                HiCacheStorageKit: "hicache_storage"}
 NOT_KIT_TESTED = {("load_format", "gguf"): "needs a GGUF writer for make_checkpoint (tests/test_gguf_convert.py)",
                   ("load_format", "dummy"): "random weights by design: nothing to compare with transformers",
                   ("grammar", "none"): "refuses every grammar by design (tests/test_structured_output.py)",
                   **{("quantization", name): "GPU kernels only: unavailable on CPU" for name in GPU_ONLY},
-                  **{("lora_backend", name): "GPU kernels only: unavailable on CPU" for name in ("triton", "csgmv")}}
+                  **{("lora_backend", name): "GPU kernels only: unavailable on CPU" for name in ("triton", "csgmv")},
+                  **{("hicache_storage", name): "needs its service and client" for name in SERVICE_STORES}}
 
 
 def test_every_builtin_backend_of_a_kit_family_is_tested():
@@ -369,6 +396,78 @@ def test_eviction_kit_fails_broken_policies():
     assert_kit_fails(subset.test_sorted_leaves_are_the_same_whatever_their_input_order)
     assert "cannot be compared" in assert_kit_fails(kit(EvictionPolicyKit, policy_factory=DictKeyPolicy)
                                                     .test_keys_are_totally_ordered)
+
+
+class MemoryStorage(HiCacheStorage):
+    """Pages in a dict of the instance, with switches that break it."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.pages = {}
+
+    def batch_get(self, keys):
+        return [self.pages.get(k) for k in keys]
+
+    def batch_set(self, keys, values):
+        self.pages.update(zip(keys, values))
+        return [True] * len(keys)
+
+    def batch_exists(self, keys):
+        return [k in self.pages for k in keys]
+
+    def clear(self):
+        self.pages.clear()
+
+
+class EmptyForUnknownStorage(MemoryStorage):
+    def batch_get(self, keys):
+        return [self.pages.get(k, b"") for k in keys]
+
+
+class TruncatingStorage(MemoryStorage):
+    def batch_set(self, keys, values):
+        return super().batch_set(keys, [v[:65536] for v in values])
+
+
+class ForgetfulClearStorage(MemoryStorage):
+    def clear(self):
+        pass
+
+
+class KnownOnlyStorage(MemoryStorage):
+    def batch_exists(self, keys):
+        return [k for k in keys if k in self.pages]
+
+
+class SkipsExistingStorage(MemoryStorage):
+    def batch_set(self, keys, values):
+        fresh = [k not in self.pages for k in keys]
+        super().batch_set(keys, values)
+        return fresh
+
+
+def test_hicache_storage_kit_passes_a_dict_and_fails_broken_stores(tmp_path):
+    memory = kit(HiCacheStorageKit, storage_factory=MemoryStorage, persistent=False)
+    for name in dir(memory):
+        if name.startswith("test_") and name != "test_a_new_instance_of_the_same_config_finds_the_pages":
+            getattr(memory, name)(tmp_path / name)
+    restart = kit(HiCacheStorageKit, storage_factory=MemoryStorage)
+    assert "does not find" in assert_kit_fails(restart.test_a_new_instance_of_the_same_config_finds_the_pages,
+                                               tmp_path / "restart")
+    assert_kit_fails(kit(HiCacheStorageKit, storage_factory=EmptyForUnknownStorage)
+                     .test_unknown_keys_give_none_in_their_place, tmp_path / "empty")
+    assert "came back as 65536 bytes" in assert_kit_fails(kit(HiCacheStorageKit, storage_factory=TruncatingStorage)
+                                                           .test_set_then_get_round_trips_bytes, tmp_path / "cut")
+    forgetful = kit(HiCacheStorageKit, storage_factory=ForgetfulClearStorage)
+    assert "clear() left" in assert_kit_fails(forgetful.test_clear_removes_everything_and_the_store_works_after,
+                                              tmp_path / "clear")
+    assert "returned 0 results" in assert_kit_fails(kit(HiCacheStorageKit, storage_factory=KnownOnlyStorage)
+                                                    .test_unknown_keys_give_none_in_their_place, tmp_path / "k")
+    assert "same bytes" in assert_kit_fails(kit(HiCacheStorageKit, storage_factory=SkipsExistingStorage)
+                                            .test_setting_an_existing_key_again, tmp_path / "again")
+    not_a_storage = kit(HiCacheStorageKit, storage_factory=lambda config: {})
+    assert "not a srv.sdk.cache.HiCacheStorage" in assert_kit_fails(not_a_storage.test_empty_batches_give_empty_lists,
+                                                                    tmp_path / "dict")
 
 
 class SortsInPlacePolicy(SchedulePolicy):

@@ -131,21 +131,25 @@ class PromptGenerator:
 
 
 def generate_prompts(num_prompts: int, input_len: int, output_len: int, range_ratio: float = 1.0,
-                     seed: int = 0, shared_prefix_len: int = 0, tokenizer: Any | None = None) -> list[Prompt]:
+                     seed: int = 0, shared_prefix_len: int = 0, tokenizer: Any | None = None,
+                     num_shared_prefixes: int = 1) -> list[Prompt]:
     """`num_prompts` prompts, the same for the same arguments.
 
     Each prompt is the shared prefix (`shared_prefix_len` tokens, identical in every prompt)
     followed by its own words: `input_len` is drawn in [input_len * range_ratio, input_len]
     and counts the prompt's own part, so a prompt has shared_prefix_len + input_len tokens.
+    With `num_shared_prefixes` N > 1 there are N distinct prefixes, prompt i taking prefix i mod N
+    (N system prompts cycled by the clients).
     """
     rng = random.Random(seed)
     generator = PromptGenerator(tokenizer)
     input_lens = draw_lengths(rng, num_prompts, input_len, range_ratio)
     output_lens = draw_lengths(rng, num_prompts, output_len, range_ratio)
-    prefix = generator.text(rng, shared_prefix_len)[0] if shared_prefix_len > 0 else ""
+    prefixes = [generator.text(rng, shared_prefix_len)[0] if shared_prefix_len > 0 else ""
+                for _ in range(max(1, num_shared_prefixes))]
     prompts = []
-    for n_in, n_out in zip(input_lens, output_lens):
-        text, ids = generator.text(rng, n_in, prefix)
+    for i, (n_in, n_out) in enumerate(zip(input_lens, output_lens)):
+        text, ids = generator.text(rng, n_in, prefixes[i % len(prefixes)])
         length = len(ids) if ids is not None else len(text.split())
         prompts.append(Prompt(text, length, n_out, ids))
     return prompts

@@ -41,6 +41,7 @@ class ServeConfig:
     output_len: int = 128
     range_ratio: float = 1.0
     shared_prefix_len: int = 0
+    num_shared_prefixes: int = 1
     instruction: str = ""      # put before every prompt's words, on a line of its own
     seed: int = 0
     warmup_requests: int = 1
@@ -176,7 +177,8 @@ class Benchmark:
         config = self.config
         tokenizer = hf_tokenizer(config.tokenizer) if config.tokenizer else None
         prompts = generate_prompts(config.num_prompts + config.warmup_requests, config.input_len, config.output_len,
-                                   config.range_ratio, config.seed, config.shared_prefix_len, tokenizer)
+                                   config.range_ratio, config.seed, config.shared_prefix_len, tokenizer,
+                                   config.num_shared_prefixes)
         prompts, warmups = prompts[:config.num_prompts], prompts[config.num_prompts:]
         shared = self._client()
         try:
@@ -222,6 +224,7 @@ class Benchmark:
             "base_url": config.base_url, "endpoint": config.endpoint, "model": model,
             "num_prompts": config.num_prompts, "input_len": config.input_len, "output_len": config.output_len,
             "range_ratio": config.range_ratio, "shared_prefix_len": config.shared_prefix_len,
+            "num_shared_prefixes": config.num_shared_prefixes,
             "instruction": config.instruction,
             # JSON has no infinity: null means every request is sent at once.
             "request_rate": None if math.isinf(config.request_rate) else config.request_rate,

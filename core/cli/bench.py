@@ -109,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_workload(serve, 1024, 128)
     serve.add_argument("--shared-prefix-len", type=_non_negative_int, default=0,
                        help="every prompt starts with the same prefix of this many tokens (added to --input-len)")
+    serve.add_argument("--num-shared-prefixes", type=_positive_int, default=1,
+                       help="that many distinct shared prefixes, prompt i taking prefix i mod N (system prompts "
+                            "cycled by the clients)")
     serve.add_argument("--instruction", default="",
                        help="a fixed text before every prompt's words, e.g. 'Repeat this text exactly:' (not counted "
                             "in --input-len)")
@@ -170,7 +173,7 @@ def _serve(args: argparse.Namespace) -> int:
         base_url=args.base_url, endpoint=args.endpoint, model=args.model, api_key=args.api_key,
         concurrency=args.concurrency, request_rate=args.request_rate, num_prompts=args.num_prompts,
         input_len=args.input_len, output_len=args.output_len, range_ratio=args.range_ratio,
-        shared_prefix_len=args.shared_prefix_len, instruction=args.instruction, seed=args.seed,
+        shared_prefix_len=args.shared_prefix_len, num_shared_prefixes=args.num_shared_prefixes, instruction=args.instruction, seed=args.seed,
         warmup_requests=args.warmup_requests,
         fresh_connections=args.fresh_connections, tokenizer=args.tokenizer, timeout=args.timeout,
         disable_tqdm=args.disable_tqdm, extra_body=args.extra_body)

@@ -17,6 +17,7 @@ TEMPLATES = Path(__file__).with_name("templates")
 KITS = {
     "attention": ("AttentionBackendKit", "An attention backend"),
     "eviction_policy": ("EvictionPolicyKit", "A prefix-cache eviction policy"),
+    "hicache_storage": ("HiCacheStorageKit", "A hierarchical-cache storage backend"),
     "lora_backend": ("LoRABackendKit", "A multi-LoRA kernel"),
     "schedule_policy": ("SchedulePolicyKit", "A request scheduling policy"),
     "speculative_algorithm": ("SpeculativeAlgorithmKit", "A speculative decoding algorithm"),

@@ -44,7 +44,7 @@ class FileStorage(HiCacheStorage):
     def batch_set(self, keys: list[str], values: list[bytes]) -> list[bool]:
         stored = []
         for key, value in zip(keys, values):
-            target = self._path(key)
+            target, temporary = self._path(key), None
             try:
                 handle, temporary = tempfile.mkstemp(dir=self.root, prefix=".", suffix=".part")
                 with os.fdopen(handle, "wb") as out:
@@ -52,6 +52,8 @@ class FileStorage(HiCacheStorage):
                 os.replace(temporary, target)
                 stored.append(True)
             except OSError:
+                if temporary is not None:
+                    Path(temporary).unlink(missing_ok=True)
                 stored.append(False)
         return stored
 
@@ -59,7 +61,7 @@ class FileStorage(HiCacheStorage):
         return [self._path(key).is_file() for key in keys]
 
     def clear(self) -> None:
-        for path in self.root.glob("*.kv"):
+        for path in [*self.root.glob("*.kv"), *self.root.glob(".*.part")]:
             path.unlink(missing_ok=True)
 
 
@@ -72,7 +74,7 @@ def DynamicStorage(config: HiCacheStorageConfig) -> HiCacheStorage:
                          " in --hicache-storage-backend-extra-config")
     try:
         cls = getattr(importlib.import_module(extra["module_path"]), extra["class_name"])
-    except (ImportError, AttributeError) as exc:
+    except Exception as exc:   # whatever importing the named module raises
         raise ValueError(f"--hicache-storage-backend dynamic: cannot load {extra['module_path']}."
                          f"{extra['class_name']}: {exc}") from None
     if not (isinstance(cls, type) and issubclass(cls, HiCacheStorage)):

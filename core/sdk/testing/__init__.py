@@ -13,6 +13,7 @@ backend, and pytest runs every check of the kit on it::
 | AttentionBackendKit | attention | backend_name or backend_factory | torch_native |
 | SamplerKit | sampling | backend_name or sampler_factory | pytorch |
 | EvictionPolicyKit | eviction_policy | backend_name or policy_factory | (contract only) |
+| HiCacheStorageKit | hicache_storage | backend_name or storage_factory, make_config | (contract only) |
 | GrammarBackendKit | grammar | backend_name or backend_factory | the grammar (jsonschema, re) |
 | ToolCallParserKit | tool_call_parser | backend_name or parser_factory | its own format_calls |
 | ReasoningParserKit | reasoning_parser | backend_name or parser_factory | its own format |
@@ -32,13 +33,14 @@ from __future__ import annotations
 import pytest
 
 # The kits' plain `assert`s get pytest's detailed messages (registered before they are imported).
-pytest.register_assert_rewrite(*(f"{__name__}.{m}" for m in ("attention", "cache", "grammar", "models",
-                                                             "lora", "quantization", "reasoning", "sampling",
-                                                             "scheduling", "speculative", "tools")))
+pytest.register_assert_rewrite(*(f"{__name__}.{m}" for m in ("attention", "cache", "grammar", "hicache_storage",
+                                                             "models", "lora", "quantization", "reasoning",
+                                                             "sampling", "scheduling", "speculative", "tools")))
 
 from srv.sdk.testing.attention import AttentionBackendKit  # noqa: E402
 from srv.sdk.testing.cache import EvictionPolicyKit  # noqa: E402
 from srv.sdk.testing.grammar import GrammarBackendKit  # noqa: E402
+from srv.sdk.testing.hicache_storage import HiCacheStorageKit  # noqa: E402
 from srv.sdk.testing.lora import LoRABackendKit  # noqa: E402
 from srv.sdk.testing.models import ModelImplKit, ModelLoaderKit  # noqa: E402
 from srv.sdk.testing.quantization import QuantizationMethodKit  # noqa: E402
@@ -55,6 +57,7 @@ __all__ = [
     "AttentionBackendKit",
     "EvictionPolicyKit",
     "GrammarBackendKit",
+    "HiCacheStorageKit",
     "LoRABackendKit",
     "ModelImplKit",
     "ModelLoaderKit",
