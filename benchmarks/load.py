@@ -26,6 +26,8 @@ def load_command(base_url: str, workload: Workload, tokenizer: Path, fresh_conne
         command += ["--shared-prefix-len", str(workload.shared_prefix_len)]
     if workload.num_shared_prefixes > 1:
         command += ["--num-shared-prefixes", str(workload.num_shared_prefixes)]
+    if workload.warmup_requests != 1:
+        command += ["--warmup-requests", str(workload.warmup_requests)]
     if workload.instruction:
         command += ["--instruction", workload.instruction]
     if fresh_connections:

@@ -118,6 +118,13 @@ def test_shared_prefix_is_really_shared(tokenizer):
     assert len({tuple(t[40:]) for t in ids}) == 8          # the rest differs
 
 
+def test_shared_prefixes_are_cycled(tokenizer):
+    prompts = generate_prompts(9, 16, 4, seed=3, shared_prefix_len=30, tokenizer=tokenizer, num_shared_prefixes=3)
+    heads = [tuple(tokenizer.encode(p.text, add_special_tokens=False)[:30]) for p in prompts]
+    assert len(set(heads)) == 3 and all(heads[i] == heads[i % 3] for i in range(9))
+    assert all(len(tokenizer.encode(p.text, add_special_tokens=False)) == p.input_len for p in prompts)
+
+
 def test_poisson_arrivals_are_seeded_with_the_requested_rate():
     times = arrival_times(20000, 10.0, seed=1)
     assert times == arrival_times(20000, 10.0, seed=1) and times != arrival_times(20000, 10.0, seed=2)

@@ -25,7 +25,9 @@ import struct
 import threading
 import time
 from array import array
-from concurrent.futures import ThreadPoolExecutor
+import itertools
+import queue
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -47,7 +49,8 @@ SELECTIVE_HITS = 2
 # SGLang's defaults for the timeout prefetch policy: a base and a share per 1,024 tokens.
 PREFETCH_TIMEOUT_BASE_S = 1.0
 PREFETCH_TIMEOUT_PER_KI_TOKEN_S = 0.25
-# Pages fetched from storage per batch_get call (the prefetch stops early between batches).
+# Pages a batch_get or batch_set call takes (a prefetch stops early between batches; reads go
+# between batches of writes).
 STORAGE_BATCH_PAGES = 64
 
 _tiebreak = iter(range(1 << 62))
@@ -120,6 +123,39 @@ class Prefetch:
     cancelled: bool = False
 
 
+class IOThread:
+    """One thread running storage calls, reads before writes: a waiting request's pages must not
+    queue behind the pages other requests are writing (writes are cut into batches for that)."""
+
+    READ, WRITE = 0, 1
+
+    def __init__(self) -> None:
+        self.jobs: queue.PriorityQueue = queue.PriorityQueue()
+        self.order = itertools.count()
+        self.thread = threading.Thread(target=self._run, name="srv-hicache-io", daemon=True)
+        self.thread.start()
+
+    def submit(self, priority: int, function: Callable[..., Any], *args: Any) -> Future:
+        future: Future = Future()
+        self.jobs.put((priority, next(self.order), function, args, future))
+        return future
+
+    def _run(self) -> None:
+        while True:
+            _, _, function, args, future = self.jobs.get()
+            if function is None:
+                return
+            try:
+                future.set_result(function(*args))
+            except BaseException as exc:
+                future.set_exception(exc)
+
+    def shutdown(self) -> None:
+        """Finish every job queued, then stop."""
+        self.jobs.put((self.WRITE + 1, next(self.order), None, (), None))
+        self.thread.join()
+
+
 class StorageTier:
     """A storage backend behind one I/O thread: writes queued, prefetches in flight."""
 
@@ -127,18 +163,21 @@ class StorageTier:
                  timeout_per_ki_token: float) -> None:
         self.backend, self.prefetch_policy = backend, prefetch_policy
         self.timeout_base, self.timeout_per_ki_token = timeout_base, timeout_per_ki_token
-        self.io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="srv-hicache-io")
+        self.io = IOThread()
         self.lock = threading.Lock()
         self.counters = {"storage_read_bytes": 0, "storage_written_bytes": 0, "storage_corrupt_pages": 0,
                          "storage_failed_writes": 0}
         self.prefetches: dict[str, Prefetch] = {}
+        self.progress = threading.Event()   # set when a prefetch completes
 
     def _count(self, name: str, amount: int) -> None:
         with self.lock:
             self.counters[name] += amount
 
     def write(self, keys: list[str], payloads: list[bytes]) -> None:
-        self.io.submit(self._write, keys, payloads)
+        for first in range(0, len(keys), STORAGE_BATCH_PAGES):
+            last = first + STORAGE_BATCH_PAGES
+            self.io.submit(IOThread.WRITE, self._write, keys[first:last], payloads[first:last])
 
     def _write(self, keys: list[str], payloads: list[bytes]) -> None:
         try:
@@ -155,7 +194,7 @@ class StorageTier:
         timeout = self.timeout_base + self.timeout_per_ki_token * len(keys) / 1024
         record = Prefetch(start, keys, time.monotonic() + timeout)
         self.prefetches[rid] = record
-        self.io.submit(self._fetch, record)
+        self.io.submit(IOThread.READ, self._fetch, record)
 
     def _fetch(self, record: Prefetch) -> None:
         try:
@@ -179,6 +218,7 @@ class StorageTier:
             logger.exception("hicache storage: prefetch failed")
         finally:
             record.done = True
+            self.progress.set()
 
     def ready(self, rid: str) -> bool:
         record = self.prefetches.get(rid)
@@ -193,10 +233,10 @@ class StorageTier:
         return record
 
     def clear(self) -> None:
-        self.io.submit(self.backend.clear).result()
+        self.io.submit(IOThread.WRITE, self.backend.clear).result()   # after the writes queued
 
     def close(self) -> None:
-        self.io.shutdown(wait=True)
+        self.io.shutdown()
         self.backend.close()
 
 
@@ -419,6 +459,13 @@ class HiRadixCache(RadixCache):
     def forget(self, rid: str) -> None:
         if self.storage is not None:
             self.storage.take(rid)
+
+    def wait_for_prefetch(self, timeout: float) -> None:
+        storage = self.storage
+        if storage is None or all(record.done for record in storage.prefetches.values()):
+            return
+        storage.progress.wait(timeout)
+        storage.progress.clear()
 
     def _from_storage(self, rid: str | None, tokens: list[int], path: list[HiNode]) -> HiNode | None:
         """A host node under the path's end holding the pages prefetched for `rid`."""

@@ -53,6 +53,9 @@ CLIP_MAX_NEW_TOKENS = 4096
 # A waiting request that does not fit lets the ones behind it start for this long; then
 # admission waits for it (running requests end, and it fits), so it is never starved either.
 MAX_SKIP_S = 5.0
+# With nothing to run but requests whose prompt pages are still being read from storage, the
+# loop waits this long for a read to complete before it looks for new requests again.
+PREFETCH_POLL_S = 0.01
 
 
 @dataclass
@@ -470,6 +473,8 @@ class Scheduler:
         if not batch:
             batch = self._schedule_decode()
         if not batch:
+            if self.waiting and self.tree is not None:
+                self.tree.wait_for_prefetch(PREFETCH_POLL_S)
             return []
         self._in_step = [item.req for item in batch]
         scheduled_at = time.perf_counter()

@@ -70,6 +70,10 @@ class PrefixCache(ABC):
     def forget(self, rid: str) -> None:
         """Request `rid` left before admission: drop its prefetch."""
 
+    def wait_for_prefetch(self, timeout: float) -> None:
+        """The scheduler has nothing to run but requests waiting for prefetches: block until one
+        completes, at most `timeout` seconds (rather than spin, starving the I/O thread)."""
+
     @abstractmethod
     def insert(self, tokens: list[int], slots: torch.Tensor) -> int:
         """Cache `tokens` (page-aligned) with their pool slots; returns how many leading tokens
