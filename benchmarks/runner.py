@@ -93,31 +93,27 @@ def run_bench(options: BenchOptions) -> BenchResults:
                 results.errors.append(f"{engine.name} repetition {rep} failed: {str(exc).splitlines()[0]}")
             results.save(options.results_path)   # a crash later keeps what was measured
 
-    grammar_commands: list[str] = []
-    if "srv" in results.engines and not options.only:
-        logger.info("bench: mask cost of each grammar backend")
+    # srv-only measurements after the repetitions: (what, when it runs, how)
+    extra_commands: list[str] = []
+    for what, wanted, measure in (("the mask cost of each grammar backend", not options.only, measure_grammar_cost),
+                                  ("the first request after a restart with file storage",
+                                   not options.only or RESTART in options.only, measure_restart)):
+        if "srv" not in results.engines or not wanted:
+            continue
+        logger.info("bench: %s", what)
         try:
-            grammar_runs, grammar_commands = measure_grammar_cost(context, 1)
-            results.runs += grammar_runs
+            runs, commands = measure(context, 1)
+            results.runs += runs
+            extra_commands += commands
         except Exception as exc:
-            logger.error("grammar backends: %s", exc)
-            results.errors.append(f"grammar mask cost failed: {str(exc).splitlines()[0]}")
-
-    restart_commands: list[str] = []
-    if "srv" in results.engines and (not options.only or RESTART in options.only):
-        logger.info("bench: the first request after a restart with file storage")
-        try:
-            restart_runs, restart_commands = measure_restart(context, 1)
-            results.runs += restart_runs
-        except Exception as exc:
-            logger.error("hicache restart: %s", exc)
-            results.errors.append(f"hicache restart failed: {str(exc).splitlines()[0]}")
+            logger.error("%s: %s", what, exc)
+            results.errors.append(f"{what} failed: {str(exc).splitlines()[0]}")
 
     for engine in engines:
         results.commands.servers[engine.name] = engine.server_commands
         results.commands.loads[engine.name] = engine.load_commands
-    if grammar_commands or restart_commands:
-        results.commands.loads["srv"] = results.commands.loads.get("srv", []) + grammar_commands + restart_commands
+    if extra_commands:
+        results.commands.loads["srv"] = results.commands.loads.get("srv", []) + extra_commands
     results.machine["loadavg_end"] = load_average()
     results.duration_s = time.perf_counter() - started
     results.save(options.results_path)

@@ -275,38 +275,16 @@ class HiRadixCache(RadixCache):
         node.keys = node.keys[pages:]
         return upper
 
-    def _walk(self, tokens: list[int], pool_only: bool) -> list[HiNode]:
-        """The nodes matching `tokens` from the root (split at the match's end)."""
-        node, pos, path = self.root, 0, []
-        now = time.monotonic()
-        while pos < len(tokens):
-            child = node.children.get(self._child_key(tokens[pos:]))
-            if child is None or (pool_only and child.value is None):
-                break
-            common = self._common_pages(child.key, tokens[pos:])
-            if common == 0:
-                break
-            if common < child.num_tokens:
-                child = self._split(child, common)
-            child.last_access_time, child.hit_count = now, child.hit_count + 1
-            path.append(child)
-            node, pos = child, pos + common
-        return path
-
     def _nodes(self) -> list[HiNode]:
-        nodes, stack = [], list(self.root.children.values())
-        while stack:
-            node = stack.pop()
-            nodes.append(node)
-            stack.extend(node.children.values())
-        return nodes
+        """Every node but the root."""
+        return self._subtree(self.root)[1:]
 
     def _last_key(self, node: HiNode) -> str:
         return node.keys[-1] if node.keys else self.root_key
 
     def _detach(self, node: HiNode) -> None:
         """Drop `node` and everything below it (none of it is in the pool)."""
-        for n in [node] + [d for d in self._subtree(node) if d is not node]:
+        for n in self._subtree(node):
             if n.host is not None:
                 self.host.free(n.host)
                 n.host = None
@@ -322,7 +300,7 @@ class HiRadixCache(RadixCache):
         return nodes
 
     def match_prefix(self, tokens: list[int]) -> tuple[torch.Tensor, HiNode]:
-        path = self._walk(tokens, pool_only=True)
+        path = self._walk(tokens, enters=lambda node: node.value is not None)   # the pool's part
         slots = torch.cat([n.value for n in path]) if path else torch.empty(0, dtype=torch.int64)
         return slots, path[-1] if path else self.root
 
@@ -490,7 +468,7 @@ class HiRadixCache(RadixCache):
         return node
 
     def load_prefix(self, tokens: list[int], rid: str | None = None) -> tuple[torch.Tensor, HiNode]:
-        path = self._walk(tokens, pool_only=False)
+        path = self._walk(tokens)
         for node in path:
             node.pinned += 1
         locked: list[HiNode] = []

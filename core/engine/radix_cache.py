@@ -11,6 +11,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
+from typing import Callable
 
 import torch
 
@@ -73,11 +74,18 @@ class RadixCache(PrefixCache):
 
     def match_prefix(self, tokens: list[int]) -> tuple[torch.Tensor, TreeNode]:
         """The slots of the longest cached page-aligned prefix of `tokens`, and its last node."""
-        node, values, pos = self.root, [], 0
+        path = self._walk(tokens)
+        slots = torch.cat([n.value for n in path]) if path else torch.empty(0, dtype=torch.int64)
+        return slots, path[-1] if path else self.root
+
+    def _walk(self, tokens: list[int], enters: Callable[[TreeNode], bool] | None = None) -> list[TreeNode]:
+        """The nodes matching `tokens` from the root, split at the match's end (and not past a
+        node `enters` refuses); each counts a hit."""
+        node, pos, path = self.root, 0, []
         now = time.monotonic()
         while pos < len(tokens):
             child = node.children.get(self._child_key(tokens[pos:]))
-            if child is None:
+            if child is None or (enters is not None and not enters(child)):
                 break
             common = self._common_pages(child.key, tokens[pos:])
             if common == 0:
@@ -85,10 +93,9 @@ class RadixCache(PrefixCache):
             if common < child.num_tokens:
                 child = self._split(child, common)
             child.last_access_time, child.hit_count = now, child.hit_count + 1
-            values.append(child.value)
+            path.append(child)
             node, pos = child, pos + common
-        slots = torch.cat(values) if values else torch.empty(0, dtype=torch.int64)
-        return slots, node
+        return path
 
     def insert(self, tokens: list[int], slots: torch.Tensor) -> int:
         """Cache `tokens` (page-aligned length) with their slots; returns how many leading
