@@ -71,16 +71,23 @@ def test_a_mixed_batch_gives_each_request_its_adapters_output(setup):
                **({"lora_path": name} if name else {})} for name in names]
     with srv.Engine(model_path=str(base), dtype="float32", lora_paths=paths, page_size=4) as engine:
         together = engine.generate(input_ids=prompts, sampling_params=params)
-        # The same prompt under each adapter, one after another: the prefix cache holds the base
-        # model's KV of it, which no adapter may take.
-        same = [engine.generate(input_ids=prompts[0], sampling_params=p) for p in params[:4]]
+        # The same prompt under each adapter, one after another: the prefix cache holds the KV
+        # the batch computed for it under "wide", which only "wide" may take; then again, each
+        # adapter (and the base model) finding its own.
+        prompt = prompts[6]
+        same = [engine.generate(input_ids=prompt, sampling_params=p) for p in params[:4]]
+        again = [engine.generate(input_ids=prompt, sampling_params=p) for p in params[:4]]
         with pytest.raises(ValueError, match="no LoRA adapter 'absent'"):
             engine.generate(input_ids=prompts[0], sampling_params={"lora_path": "absent"})
-    for prompt, name, result in zip(prompts, names, together):
-        want = peft_greedy(str(base), str(adapters[name]) if name else None, tuple(prompt))
+    for ids, name, result in zip(prompts, names, together):
+        want = peft_greedy(str(base), str(adapters[name]) if name else None, tuple(ids))
         assert result["output_ids"] == want, name
-    for name, result in zip(names[:4], same):
-        assert result["output_ids"] == peft_greedy(str(base), str(adapters[name]) if name else None, tuple(prompts[0]))
+    whole_pages = (len(prompt) - 1) // 4 * 4   # page size 4: the pages before the last prompt token
+    for name, first, second in zip(names[:4], same, again):
+        want = peft_greedy(str(base), str(adapters[name]) if name else None, tuple(prompt))
+        assert first["output_ids"] == second["output_ids"] == want, name
+        assert first["meta_info"]["cached_tokens"] == (whole_pages if name == names[6] else 0), name
+        assert second["meta_info"]["cached_tokens"] == whole_pages, name
 
 
 def test_adapters_change_the_output_and_the_routes_select_them(setup):
@@ -126,11 +133,12 @@ def test_adapters_load_and_unload_at_run_time(setup):
     base, adapters = setup
     prompt = random_prompts(1, seed=12)[0]
     greedy = {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
-    with srv.Engine(model_path=str(base), dtype="float32", enable_lora=True, max_loras_per_batch=1) as engine:
+    with srv.Engine(model_path=str(base), dtype="float32", enable_lora=True, max_loras_per_batch=1,
+                    max_loaded_loras=1) as engine:
         assert engine.generate(input_ids=prompt, sampling_params=greedy)["output_ids"] == \
             peft_greedy(str(base), None, tuple(prompt))
         assert engine.load_lora_adapter("small", str(adapters["small"])) == ["small"]
-        with pytest.raises(ValueError, match="--max-loras-per-batch"):
+        with pytest.raises(ValueError, match="--max-loaded-loras"):
             engine.load_lora_adapter("wide", str(adapters["wide"]))
         with pytest.raises(ValueError, match="already loaded"):
             engine.load_lora_adapter("small", str(adapters["small"]))
@@ -155,6 +163,27 @@ def test_adapters_load_and_unload_at_run_time(setup):
         assert engine.load_lora_adapter("wide", str(adapters["wide"])) == ["wide"]
         assert engine.generate(input_ids=prompt, sampling_params={**greedy, "lora_path": "wide"})["output_ids"] == \
             peft_greedy(str(base), str(adapters["wide"]), tuple(prompt))
+
+
+@pytest.mark.parametrize("policy", ["lru", "fifo"])
+def test_more_adapters_than_slots_take_turns(setup, policy):
+    """Three adapters, two slots: the scheduler runs at most two adapters at once, and a batch's
+    adapter takes the slot of one the batch does not use."""
+    base, adapters = setup
+    prompts = random_prompts(6, seed=21)
+    names = ["small", "wide", "mlp", None, "mlp", "small"]
+    params = [{"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True,
+               **({"lora_path": name} if name else {})} for name in names]
+    paths = [f"{name}={path}" for name, path in adapters.items()]
+    with srv.Engine(model_path=str(base), dtype="float32", lora_paths=paths, max_loras_per_batch=2,
+                    lora_eviction_policy=policy) as engine:
+        results = engine.generate(input_ids=prompts, sampling_params=params)
+        lora = engine.runner.lora
+        assert len(lora.slots) == 2 and lora.names == list(adapters)
+    for ids, name, result in zip(prompts, names, results):
+        assert result["output_ids"] == peft_greedy(str(base), str(adapters[name]) if name else None, tuple(ids)), name
+    with pytest.raises(ValueError, match="--max-loaded-loras"):
+        srv.Engine(model_path=str(base), lora_paths=paths, max_loras_per_batch=2, max_loaded_loras=1)
 
 
 def test_the_default_model_with_a_random_adapter(default_model_dir, tmp_path):

@@ -46,8 +46,6 @@ NOT_SUPPORTED_YET = frozenset({
     "--node-rank",
     # Model override args
     # LoRA
-    "--max-loaded-loras",
-    "--lora-eviction-policy",
     "--max-lora-chunk-size",
     # Kernel backends (attention, sampling, grammar, GEMM)
     "--mm-attention-backend",

@@ -11,6 +11,8 @@ The model runner tells the layers which rows belong to which adapter before each
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 import json
 import logging
 import re
@@ -56,6 +58,21 @@ def parse_lora_paths(values: list[str] | None) -> list[tuple[str, str]]:
     return adapters
 
 
+EVICTION_POLICIES = ("lru", "fifo")
+# Token ids stay below 2**32; an adapter's namespace is a multiple of that, below 2**63.
+NAMESPACE_SHIFT, NAMESPACE_BITS = 32, 31
+
+
+def cache_namespace(path: Path) -> int:
+    """An adapter's prefix-cache namespace: a hash of its files (resolved path, size, modified
+    time), so the same files share KV under any name, across reloads and restarts (with
+    hierarchical-cache storage), and changed files never meet the old KV."""
+    files = sorted(p for p in Path(path).iterdir() if p.is_file())
+    identity = [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+    digest = int(hashlib.sha256(json.dumps(identity).encode()).hexdigest(), 16)
+    return (digest % ((1 << NAMESPACE_BITS) - 1) + 1) << NAMESPACE_SHIFT
+
+
 @dataclass
 class LoRAAdapter:
     name: str
@@ -63,6 +80,8 @@ class LoRAAdapter:
     scaling: float
     targets: set[str]
     weights: dict[tuple[int, str], tuple[Any, Any]]   # (layer, PEFT module) -> (A [r, in], B [out, r])
+    # What its KV is keyed on in the prefix cache, beside the tokens (see `cache_namespace`).
+    cache_namespace: int = 0
 
     @classmethod
     def load(cls, name: str, path: str | Path) -> LoRAAdapter:
@@ -96,23 +115,42 @@ class LoRAAdapter:
                                  f"({', '.join(TARGETS)})")
             pieces.setdefault((layer, module), {})[side] = tensor
         weights = {key: (sides["A"], sides["B"]) for key, sides in pieces.items()}
-        return cls(name, rank, scaling, {module for _, module in weights}, weights)
+        return cls(name, rank, scaling, {module for _, module in weights}, weights, cache_namespace(path))
 
 
 class LoRAManager:
     """The loaded adapters and the wrapped layers of one model. Every layer an adapter can target
     is wrapped from the start, so adapters load and unload at run time without touching the
-    model again (a wrapped layer with no adapter in the batch costs one check)."""
+    model again (a wrapped layer with no adapter in the batch costs one check).
 
-    def __init__(self, model: Any, adapters: list[LoRAAdapter], backend: Any, dtype: Any, capacity: int) -> None:
+    At most `max_loaded` adapters are loaded (`--max-loaded-loras`; no bound when None), and at
+    most `capacity` of them (`--max-loras-per-batch`) hold one of the wrapped layers' slots at a
+    time: `activate` gives a batch's adapters their slots, taking the slot of an adapter the
+    batch does not use in `--lora-eviction-policy` order (lru: the least recently used; fifo:
+    the earliest to get its slot). The scheduler keeps the running requests' adapters within
+    `capacity`."""
+
+    def __init__(self, model: Any, adapters: list[LoRAAdapter], backend: Any, dtype: Any, capacity: int,
+                 max_loaded: int | None = None, eviction_policy: str = "lru") -> None:
         from srv.engine.lora_layer import LoRALayer
 
         layers = getattr(model, "layers", None)
         if layers is None or not all(hasattr(layer, "self_attn") and hasattr(layer, "mlp") for layer in layers):
             raise ValueError("LoRA adapters apply to srv's native models (--model-impl srv)")
+        if eviction_policy not in EVICTION_POLICIES:
+            raise ValueError(f"--lora-eviction-policy {eviction_policy!r}: one of {', '.join(EVICTION_POLICIES)}")
+        if max_loaded is not None and max_loaded < capacity:
+            raise ValueError(f"--max-loaded-loras ({max_loaded}) must be at least --max-loras-per-batch ({capacity})")
         self.backend, self.dtype, self.capacity = backend, dtype, capacity
-        self.adapters: list[LoRAAdapter | None] = []   # by slot; None: a free slot
-        self.slots: dict[str, int] = {}
+        self.max_loaded, self.eviction_policy = max_loaded, eviction_policy
+        self.loaded: dict[str, LoRAAdapter] = {}
+        # name -> (layer index, fused layer name) -> the adapter's products on that layer
+        self.products: dict[str, dict[tuple[int, str], list[Any]]] = {}
+        self.adapters: list[LoRAAdapter | None] = [None] * capacity   # by slot; None: a free slot
+        self.slots: dict[str, int] = {}                              # adapters holding a slot
+        self._clock = itertools.count()
+        self._activated: dict[str, int] = {}   # when each adapter got its slot (fifo)
+        self._used: dict[str, int] = {}        # when each adapter was last in a batch (lru)
         self.segments: list = []
         # (layer index, fused layer name) -> (its wrapper, the columns each of its shards starts at)
         self.layers: dict[tuple[int, str], tuple[Any, list[int]]] = {}
@@ -124,53 +162,84 @@ class LoRAManager:
             for fused, starts in offsets.items():
                 parent_name, _, leaf = fused.rpartition(".")
                 parent = layer.get_submodule(parent_name)
-                wrapper = LoRALayer(getattr(parent, leaf), [], self)
+                wrapper = LoRALayer(getattr(parent, leaf), [[] for _ in range(capacity)], self)
                 setattr(parent, leaf, wrapper)
                 self.layers[(index, fused)] = (wrapper, starts)
         for adapter in adapters:
             self.add(adapter)
-        logger.info("LoRA: %d adapter(s)%s on %s", len(adapters), f" ({', '.join(self.slots)})" if adapters else "",
+        logger.info("LoRA: %d adapter(s)%s on %s", len(adapters), f" ({', '.join(self.loaded)})" if adapters else "",
                     type(backend).__name__)
 
-    def add(self, adapter: LoRAAdapter) -> int:
-        """Load an adapter into a free slot (every loaded adapter stays within a batch's reach:
-        at most `capacity` of them)."""
+    @property
+    def names(self) -> list[str]:
+        return list(self.loaded)
+
+    def add(self, adapter: LoRAAdapter) -> None:
+        """Load an adapter (its products made once; it takes a slot when a batch needs it)."""
         from srv.sdk.lora import LoRAProduct
 
-        if adapter.name in self.slots:
+        if adapter.name in self.loaded:
             raise ValueError(f"a LoRA adapter named {adapter.name!r} is already loaded")
-        if len(self.slots) >= self.capacity:
-            raise ValueError(f"{len(self.slots)} LoRA adapters are loaded, the most --max-loras-per-batch "
-                             f"({self.capacity}) allows: unload one first")
-        slot = next((i for i, a in enumerate(self.adapters) if a is None), len(self.adapters))
-        if slot == len(self.adapters):
-            self.adapters.append(None)
-            for wrapper, _ in self.layers.values():
-                wrapper.products.append([])
+        if self.max_loaded is not None and len(self.loaded) >= self.max_loaded:
+            raise ValueError(f"{len(self.loaded)} LoRA adapters are loaded, the most --max-loaded-loras "
+                             f"({self.max_loaded}) allows: unload one first")
+        products: dict[tuple[int, str], list[Any]] = {}
         for (index, module), (a, b) in adapter.weights.items():
             fused, shard = TARGETS[module]
             if (index, fused) not in self.layers:
                 raise ValueError(f"adapter {adapter.name}: the model has no layer {index}")
-            wrapper, starts = self.layers[(index, fused)]
-            wrapper.products[slot].append(LoRAProduct(starts[shard], a.to(self.dtype), b.to(self.dtype),
-                                                      adapter.scaling))
-        self.adapters[slot] = adapter
-        self.slots[adapter.name] = slot
-        return slot
+            starts = self.layers[(index, fused)][1]
+            products.setdefault((index, fused), []).append(
+                LoRAProduct(starts[shard], a.to(self.dtype), b.to(self.dtype), adapter.scaling))
+        self.loaded[adapter.name] = adapter
+        self.products[adapter.name] = products
 
     def remove(self, name: str) -> None:
-        slot = self.slot(name)
-        del self.slots[name]
+        self.adapter(name)
+        del self.loaded[name], self.products[name]
+        if name in self.slots:
+            self._vacate(self.slots[name])
+        self._used.pop(name, None)
+
+    def adapter(self, name: str) -> LoRAAdapter:
+        if name not in self.loaded:
+            raise ValueError(f"no LoRA adapter {name!r} is loaded (loaded: {', '.join(self.loaded) or 'none'})")
+        return self.loaded[name]
+
+    def _vacate(self, slot: int) -> None:
+        adapter = self.adapters[slot]
         self.adapters[slot] = None
+        if adapter is not None:
+            del self.slots[adapter.name]
+            self._activated.pop(adapter.name, None)
         for wrapper, _ in self.layers.values():
             wrapper.products[slot] = []
 
+    def activate(self, names: set[str]) -> None:
+        """Give every adapter in `names` (a batch's) a slot."""
+        if len(names) > self.capacity:
+            raise ValueError(f"a batch of {len(names)} LoRA adapters; --max-loras-per-batch is {self.capacity}")
+        now = next(self._clock)
+        for name in sorted(names - set(self.slots)):
+            adapter = self.adapter(name)
+            slot = next((i for i, a in enumerate(self.adapters) if a is None), None)
+            if slot is None:
+                order = self._used if self.eviction_policy == "lru" else self._activated
+                victim = min((n for n in self.slots if n not in names), key=lambda n: order.get(n, -1))
+                slot = self.slots[victim]
+                self._vacate(slot)
+            products = self.products[name]
+            for key, (wrapper, _) in self.layers.items():
+                wrapper.products[slot] = products.get(key, [])
+            self.adapters[slot], self.slots[name], self._activated[name] = adapter, slot, now
+        for name in names:
+            self._used[name] = now
+
     def slot(self, name: str | None) -> int:
-        """The adapter's slot (-1: the base model)."""
+        """The adapter's slot (-1: the base model); `activate` gave it one."""
         if name is None:
             return -1
-        if name not in self.slots:
-            raise ValueError(f"no LoRA adapter {name!r} is loaded (loaded: {', '.join(self.slots) or 'none'})")
+        self.adapter(name)
         return self.slots[name]
 
     def set_batch(self, slots: list[int], extend_lens: list[int]) -> None:

@@ -154,7 +154,8 @@ class ModelRunner:
         if name == "triton" and (default is None or not default.availability().ok):
             name = AUTO
         backend = self.registry.choose("lora_backend", name).create(args)
-        return LoRAManager(self.model, adapters, backend, self.dtype, args.max_loras_per_batch)
+        return LoRAManager(self.model, adapters, backend, self.dtype, args.max_loras_per_batch, args.max_loaded_loras,
+                           args.lora_eviction_policy)
 
     def load_lora_adapter(self, name: str, path: str) -> LoRAAdapter:
         """A PEFT adapter read and checked against --max-lora-rank and --lora-target-modules."""

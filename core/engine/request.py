@@ -57,10 +57,18 @@ class Req:
     embedding: list[float] | None = None  # the pooled prompt, on an embedding server
     session_id: str | None = None         # a session's turn: its KV stays locked in the prefix cache
     token_type_ids: list[int] | None = None   # segment of each prompt token (a cross-encoder's pair)
+    # Added to every token id the prefix cache keys this request's KV on: 0 for the base model,
+    # an adapter's own offset for a LoRA request, so that KV is shared only under one adapter.
+    cache_namespace: int = 0
 
     @property
     def token_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    def cache_keys(self, end: int) -> list[int]:
+        """The prefix cache's keys for the first `end` tokens."""
+        tokens = self.token_ids[:end]
+        return tokens if not self.cache_namespace else [t + self.cache_namespace for t in tokens]
 
     @property
     def prompt_len(self) -> int:

@@ -173,7 +173,8 @@ class Scheduler:
         if req.params.lora_path is not None:
             if self.runner.lora is None:
                 raise ValueError("LoRA adapters need --enable-lora (or --lora-paths) at launch")
-            self.runner.lora.slot(req.params.lora_path)   # unloaded since the front end checked: refused
+            # Unloaded since the front end checked: refused.
+            req.cache_namespace = self.runner.lora.adapter(req.params.lora_path).cache_namespace
         spec = req.params.grammar
         if spec is not None:
             if self.grammars is None:
@@ -183,7 +184,7 @@ class Scheduler:
             req.stop_matcher = IncrementalDetokenizer.for_request(self.tokenizer, req.params)
         self.waiting.append(req)
         if self._caches(req) and not req.params.return_hidden_states:
-            self.tree.prefetch(req.rid, req.token_ids[:req.seq_len - 1])
+            self.tree.prefetch(req.rid, req.cache_keys(req.seq_len - 1))
 
     def abort(self, rid: str) -> Req | None:
         for queue in (self.waiting, self.running):
@@ -254,7 +255,7 @@ class Scheduler:
                 limit = min(limit, max(wanted - 1, 0))
             if req.params.return_hidden_states and not req.output_ids:
                 limit = 0   # every position's hidden state is computed, none taken from the cache
-            slots, node = self.tree.load_prefix(req.token_ids[:limit], req.rid)
+            slots, node = self.tree.load_prefix(req.cache_keys(limit), req.rid)
             self.tree.lock(node)
             req.cache_node = node
             req.cached_prefix_len = slots.numel()
@@ -262,9 +263,9 @@ class Scheduler:
         req.kv_len = req.allocated = req.cached_prefix_len
 
     def _caches(self, req: Req) -> bool:
-        """Whether the request's KV goes to (and comes from) the prefix cache: not an adapter's,
-        which the cache, keyed on tokens alone, would hand to the base model or another adapter."""
-        return self.tree is not None and req.params.lora_path is None
+        """Whether the request's KV goes to (and comes from) the prefix cache (keyed on its
+        `cache_keys`: an adapter's KV is found only under that adapter)."""
+        return self.tree is not None
 
     def _release(self, req: Req) -> None:
         """Return a request's KV: full pages go to the prefix cache, the rest back to the pool."""
@@ -277,12 +278,12 @@ class Scheduler:
         slots = self.req_pool.table[req.row, :req.allocated].clone()
         if self._caches(req):
             aligned = req.kv_len // page * page
-            already = self.tree.insert(req.token_ids[:aligned], slots[:aligned])
+            already = self.tree.insert(req.cache_keys(aligned), slots[:aligned])
             self.allocator.free_slots(slots[req.cached_prefix_len: already])
             self.allocator.free_slots(slots[aligned:])
             self.tree.unlock(req.cache_node)
             if req.session_id is not None and req.finished:
-                self._pin_session(req.session_id, req.token_ids[:aligned])
+                self._pin_session(req.session_id, req.cache_keys(aligned))
         else:
             self.allocator.free_slots(slots)
         self.req_pool.free(req.row)
@@ -296,10 +297,10 @@ class Scheduler:
         if aligned <= req.cached_prefix_len:
             return
         slots = self.req_pool.table[req.row, :aligned].clone()
-        already = self.tree.insert(req.token_ids[:aligned], slots)
+        already = self.tree.insert(req.cache_keys(aligned), slots)
         # Pages another request cached meanwhile: use the cached copies, free ours.
         self.allocator.free_slots(slots[req.cached_prefix_len: already])
-        cached, node = self.tree.match_prefix(req.token_ids[:aligned])
+        cached, node = self.tree.match_prefix(req.cache_keys(aligned))
         self.req_pool.table[req.row, :aligned] = cached
         self.tree.lock(node)
         self.tree.unlock(req.cache_node)
@@ -349,7 +350,7 @@ class Scheduler:
     def _schedule_prefill(self) -> list[ScheduledReq]:
         if self.policy.needs_prefix_match and self.tree is not None:
             for req in self.waiting:
-                slots, req.prefix_node = self.tree.match_prefix(req.token_ids[: req.seq_len - 1])
+                slots, req.prefix_node = self.tree.match_prefix(req.cache_keys(req.seq_len - 1))
                 req.cached_prefix_len = slots.numel()
         budget = min(self.args.max_prefill_tokens, self.chunk_size)
         scheduled: list[ScheduledReq] = []
@@ -398,15 +399,22 @@ class Scheduler:
         if self.tree is None or not scheduled:
             return False
         tokens = req.token_ids
-        shared = max(common_prefix_len(tokens, other.token_ids) for other in scheduled)
+        shared = max((common_prefix_len(tokens, other.token_ids) for other in scheduled
+                      if other.cache_namespace == req.cache_namespace), default=0)
         if shared < IN_BATCH_PREFIX_MIN_TOKENS:
             return False
-        cached, _ = self.tree.match_prefix(tokens[: req.seq_len - 1])
+        cached, _ = self.tree.match_prefix(req.cache_keys(req.seq_len - 1))
         return shared - cached.numel() >= IN_BATCH_PREFIX_MIN_TOKENS
 
     def _try_admit(self, req: Req, budget: int, scheduled: list[Req]) -> bool:
         """Admit a waiting request if a row and KV memory for its next chunk (plus the running
-        requests' headroom) are available, preempting lower-priority work where allowed."""
+        requests' headroom) are available, preempting lower-priority work where allowed. A LoRA
+        request waits while the running requests use --max-loras-per-batch other adapters."""
+        lora, adapter = self.runner.lora, req.params.lora_path
+        if lora is not None and adapter is not None:
+            running = {r.params.lora_path for r in self.running if r.params.lora_path is not None}
+            if adapter not in running and len(running) >= lora.capacity:
+                return False
         while True:
             if len(self.running) < self.max_running and self.req_pool.free_rows:
                 self._admit(req)

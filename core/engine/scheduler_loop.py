@@ -270,7 +270,7 @@ class SchedulerLoop:
             raise ValueError(f"adapter {lora_name}: {type(exc).__name__}: {exc}") from None
         runner.lora.add(adapter)
         logger.info("LoRA adapter %s loaded from %s", lora_name, lora_path)
-        return list(runner.lora.slots)
+        return runner.lora.names
 
     def control_unload_lora_adapter(self, lora_name: str) -> list[str]:
         """Unload an adapter no request uses (one in use is refused: its requests would change model)."""
@@ -282,7 +282,7 @@ class SchedulerLoop:
             raise ValueError(f"adapter {lora_name} serves {len(users)} request(s): unload it once they end")
         runner.lora.remove(lora_name)
         logger.info("LoRA adapter %s unloaded", lora_name)
-        return list(runner.lora.slots)
+        return runner.lora.names
 
     def control_close_session(self, session_id: str) -> bool:
         self.scheduler.unpin_session(session_id)

@@ -187,6 +187,8 @@ class Worker:
             segments = torch.tensor([t for item in batch for t in (item.req.token_type_ids or [0] * item.req.seq_len)
                                      [item.req.kv_len: item.req.kv_len + item.extend]])
         lora = self.runner.lora
+        if lora is not None:
+            lora.activate({item.req.params.lora_path for item in batch if item.req.params.lora_path is not None})
         slots = None if lora is None else [lora.slot(item.req.params.lora_path)
                                            for item in batch for _ in range(1 + len(item.drafts) if item.drafts else 1)]
         out = self.runner.forward(torch.tensor(ids), torch.cat(positions), torch.cat(locs), kv_slots, prefix_lens,
