@@ -191,6 +191,19 @@ def test_storage_survives_a_restart_and_skips_a_corrupt_page(tiny_models, tmp_pa
         assert engine.generate(input_ids=first, sampling_params=SHORT)["meta_info"]["cached_tokens"] == 0
 
 
+def test_prefixes_dropped_from_host_come_back_from_storage(tiny_models, tmp_path):
+    """A host tier of half the pool: pages pushed out of both tiers are read back from storage."""
+    batch = prompts(4, 60, seed=36)
+    with make_engine(tiny_models["llama"], max_total_tokens=150,
+                     **hicache(tmp_path, hicache_ratio=0.5, hicache_storage_prefetch_policy="wait_complete")) as engine:
+        for _ in range(2):
+            results = generate_each(engine, batch)
+            assert_matches_hf(engine, tiny_models["llama"], batch, results)
+        stats = engine.status()["hicache"]
+        assert stats["storage_hit_tokens"] >= 59 and stats["storage_read_bytes"] > 0, stats
+        assert_all_kv_returned(engine)
+
+
 class SlowStorage(FileStorage):
     """A file store whose reads wait until the test lets them go."""
 
