@@ -240,8 +240,13 @@ class StorageTier:
         self.backend.close()
 
 
+def in_pool(node: HiNode) -> bool:
+    return node.value is not None
+
+
 class HiRadixCache(RadixCache):
     node_class = HiNode
+    pool_resident = staticmethod(in_pool)   # match_prefix: the pool's part of a match
 
     def __init__(self, allocator: PagedSlotAllocator, policy: EvictionPolicy, kv_cache: Callable[[], KVCache],
                  host: HostKVPool, write_policy: str, storage: StorageTier | None,
@@ -298,11 +303,6 @@ class HiRadixCache(RadixCache):
             nodes.append(n)
             stack.extend(n.children.values())
         return nodes
-
-    def match_prefix(self, tokens: list[int]) -> tuple[torch.Tensor, HiNode]:
-        path = self._walk(tokens, enters=lambda node: node.value is not None)   # the pool's part
-        slots = torch.cat([n.value for n in path]) if path else torch.empty(0, dtype=torch.int64)
-        return slots, path[-1] if path else self.root
 
     def location(self, node: HiNode) -> str:
         return DEVICE if node.value is not None else HOST if node.host is not None else STORAGE
@@ -498,9 +498,7 @@ class HiRadixCache(RadixCache):
                 self.unlock(node)
             for node in path:
                 node.pinned -= 1
-        path = path[:in_pool]
-        slots = torch.cat([n.value for n in path]) if path else torch.empty(0, dtype=torch.int64)
-        return slots, path[-1] if path else self.root
+        return self._slots_of(path[:in_pool])
 
     def _load(self, node: HiNode) -> bool:
         """Copy a host node's pages into the pool."""

@@ -72,9 +72,14 @@ class RadixCache(PrefixCache):
         node.key, node.value, node.parent = node.key[at:], node.value[at:], upper
         return upper
 
+    # Which nodes a match may enter (None: every node); the hierarchical cache's stop at the pool.
+    pool_resident: Callable[[TreeNode], bool] | None = None
+
     def match_prefix(self, tokens: list[int]) -> tuple[torch.Tensor, TreeNode]:
         """The slots of the longest cached page-aligned prefix of `tokens`, and its last node."""
-        path = self._walk(tokens)
+        return self._slots_of(self._walk(tokens, self.pool_resident))
+
+    def _slots_of(self, path: list[TreeNode]) -> tuple[torch.Tensor, TreeNode]:
         slots = torch.cat([n.value for n in path]) if path else torch.empty(0, dtype=torch.int64)
         return slots, path[-1] if path else self.root
 
