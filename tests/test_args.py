@@ -193,8 +193,8 @@ EXPECTED_NOT_SUPPORTED_YET = {
     "--enable-fp32-lm-head",
     "--hybrid-kvcache-ratio", "--swa-full-tokens-ratio",
     "--disable-hybrid-swa-memory", "--elastic-ep-backend", "--mooncake-ib-device",
-    "--tensor-parallel-size", "--pipeline-parallel-size", "--pp-max-micro-batch-size", 
-    "--dist-timeout", "--base-gpu-id",
+    "--pipeline-parallel-size", "--pp-max-micro-batch-size",
+    "--base-gpu-id",
     "--gpu-id-step", "--sleep-on-idle", "--mm-process-config", 
     
     "--enable-metrics-for-all-schedulers", 
@@ -202,7 +202,6 @@ EXPECTED_NOT_SUPPORTED_YET = {
     
     "--kv-events-config", 
     "--data-parallel-size", "--load-balance-method", "--load-watch-interval", "--prefill-round-robin-balance",
-    "--dist-init-addr", "--nnodes", "--node-rank",
     "--max-lora-chunk-size", "--mm-attention-backend", "--nsa-prefill",
     "--nsa-decode", "--fp8-gemm-backend", "--disable-flashinfer-autotune",
     "--speculative-draft-model-revision", "--speculative-token-map",

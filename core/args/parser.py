@@ -162,6 +162,8 @@ def check_launch_args(args: argparse.Namespace, parser: LaunchArgumentParser) ->
             parser.error(message)
         if args.enable_lora or args.lora_paths:
             parser.error("--speculative-algorithm with LoRA adapters is not supported yet")
+    for message in parallel_refusals(args):
+        parser.error(message)
     for flag in ("--preferred-sampling-params", "--model-loader-extra-config"):
         text = getattr(args, flag.lstrip("-").replace("-", "_"))
         if text is None:
@@ -180,6 +182,28 @@ def check_launch_args(args: argparse.Namespace, parser: LaunchArgumentParser) ->
         # torchao is a quantization method: one method serves a launch's weights.
         parser.error(f"--torchao-config quantizes the weights itself; it cannot be combined with "
                      f"--quantization {args.quantization}")
+
+
+def parallel_refusals(args: argparse.Namespace) -> list[str]:
+    """What srv cannot honour of the tensor-parallel and multi-node flags."""
+    tp, nnodes = args.tensor_parallel_size, args.nnodes
+    refused = []
+    if tp < 1 or nnodes < 1:
+        refused.append("--tensor-parallel-size and --nnodes must be at least 1")
+    elif tp % nnodes:
+        refused.append(f"--tensor-parallel-size {tp} does not split over --nnodes {nnodes}")
+    if not 0 <= args.node_rank < max(nnodes, 1):
+        refused.append(f"--node-rank {args.node_rank} is not one of the {nnodes} nodes")
+    if nnodes > 1 and not args.dist_init_addr:
+        refused.append("--nnodes > 1 needs --dist-init-addr HOST:PORT, where node 0's rank 0 forms the group")
+    if tp > 1:
+        # These read or change one rank's model or KV pool; the others would not follow.
+        for flag, value in (("--speculative-algorithm", args.speculative_algorithm),
+                            ("--enable-lora", args.enable_lora or args.lora_paths),
+                            ("--enable-hierarchical-cache", args.enable_hierarchical_cache)):
+            if value:
+                refused.append(f"{flag} with --tensor-parallel-size > 1 is not supported yet")
+    return refused
 
 
 def speculative_refusals(args: argparse.Namespace) -> list[str]:

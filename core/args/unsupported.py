@@ -24,10 +24,8 @@ NOT_SUPPORTED_YET = frozenset({
     # Runtime options
     "--elastic-ep-backend",
     "--mooncake-ib-device",
-    "--tensor-parallel-size",
     "--pipeline-parallel-size",
     "--pp-max-micro-batch-size",
-    "--dist-timeout",
     "--base-gpu-id",
     "--gpu-id-step",
     "--sleep-on-idle",
@@ -41,9 +39,6 @@ NOT_SUPPORTED_YET = frozenset({
     "--load-watch-interval",
     "--prefill-round-robin-balance",
     # Multi-node distributed serving
-    "--dist-init-addr",
-    "--nnodes",
-    "--node-rank",
     # Model override args
     # LoRA
     "--max-lora-chunk-size",

@@ -18,6 +18,14 @@ def main(argv: list[str]) -> int:
         print(f"srv launch: error: {exc}", file=sys.stderr)
         return 2
     args = parse_launch_args(argv, manager, registry)
+    if args.node_rank > 0:
+        # Another node of a multi-node group: its tensor-parallel ranks, and no HTTP server.
+        import logging
+
+        from srv.engine.tensor_parallel import serve_node
+
+        logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        return serve_node(args)
     from srv.server.scheduler_main import spawn_scheduler_process
 
     scheduler_process = spawn_scheduler_process(args)

@@ -19,6 +19,7 @@ from srv.engine.lora import LoRAAdapter, LoRAManager, lora_target_modules, parse
 from srv.engine.pooling import Pooling
 from srv.sdk.attention import AttentionBackend, ForwardBatch, ForwardMode, KVCache, KVCacheDtype
 from srv.sdk.models import ModelConfig, ModelImpl, ModelLoader, ModelOutput, materialize
+from srv.sdk.parallel import ParallelContext
 from srv.sdk.quantization import QuantizationMethod
 
 logger = logging.getLogger("srv.engine")
@@ -89,9 +90,28 @@ def _tensor_shapes(model: torch.nn.Module) -> dict[str, tuple[tuple[int, ...], t
 
 class ModelRunner:
     def __init__(self, args: Namespace, registry: BackendRegistry,
-                 on_model_dir: Callable[[Path], None] | None = None) -> None:
-        """`on_model_dir` is called with the prepared model directory before the weights load."""
+                 on_model_dir: Callable[[Path], None] | None = None, tensor_parallel: Any = None) -> None:
+        """`on_model_dir` is called with the prepared model directory before the weights load.
+        Under --tensor-parallel-size N > 1 this runner is rank 0, which starts the other ranks
+        (srv.engine.tensor_parallel), unless `tensor_parallel` names the group of another rank."""
         self.args, self.registry = args, registry
+        if args.tensor_parallel_size > 1 and tensor_parallel is None:
+            from srv.engine.tensor_parallel import join_as_rank_zero, torch_threads
+
+            if "OMP_NUM_THREADS" not in os.environ:
+                torch.set_num_threads(torch_threads(args))
+            tensor_parallel = join_as_rank_zero(args)
+        self.tensor_parallel = tensor_parallel
+        self.parallel: ParallelContext = tensor_parallel.context if tensor_parallel is not None else ParallelContext()
+        try:
+            self._load(on_model_dir)
+        except BaseException:
+            if tensor_parallel is not None:
+                tensor_parallel.close()   # the other ranks are of no use without this one
+            raise
+
+    def _load(self, on_model_dir: Callable[[Path], None] | None) -> None:
+        args, registry = self.args, self.registry
         self.quantization_name = NONE   # the method serving the weights (set by _quantization)
         path = local_model_path(args.model_path, args.revision, args.download_dir) if args.model_path \
             else default_model_path()
@@ -106,6 +126,10 @@ class ModelRunner:
         if method is not None:
             method.check(str(path))
         impl = self._choose_impl()
+        if self.parallel.is_parallel and not impl.tensor_parallel:
+            raise BackendUnavailable(f"--model-impl {type(impl).__name__} does not split models across ranks: "
+                                     "--tensor-parallel-size must be 1")
+        impl.parallel = self.parallel
         # An embedding server pools each prompt's final hidden states instead of generating.
         self.is_embedding = bool(args.is_embedding) or not impl.is_generation(self.config)
         # A cross-encoder's output is its classifier's score of each request (a pair of texts).
@@ -131,11 +155,14 @@ class ModelRunner:
             logger.info("serving embeddings: %s pooling%s", self.pooling.method,
                         ", normalized" if self.pooling.normalize else "")
         self.context_len = args.context_length or getattr(self.config, "max_position_embeddings", 4096)
-        # Attention shapes from the config, whichever --model-impl built the model.
+        # Attention shapes from the config, whichever --model-impl built the model: this rank's
+        # heads, split by key/value head group as srv.sdk.layers.QKVParallelLinear splits them.
         self.num_layers = self.config.num_hidden_layers
-        self.num_heads = self.config.num_attention_heads
-        self.num_kv_heads = getattr(self.config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(self.config, "head_dim", None) or self.config.hidden_size // self.num_heads
+        total_heads = self.config.num_attention_heads
+        total_kv_heads = getattr(self.config, "num_key_value_heads", None) or total_heads
+        self.head_dim = getattr(self.config, "head_dim", None) or self.config.hidden_size // total_heads
+        self.num_kv_heads = self.parallel.partition(total_kv_heads)[1]
+        self.num_heads = self.num_kv_heads * (total_heads // total_kv_heads)
         self.prefill_attention = self._attention(args.prefill_attention_backend or args.attention_backend)
         self.decode_attention = self._attention(args.decode_attention_backend or args.attention_backend)
         self.sampler = registry.choose("sampling", args.sampling_backend).create(args)
@@ -192,11 +219,15 @@ class ModelRunner:
             return None
         if name:
             self.quantization_name = name
-            return self.registry.choose("quantization", name).create(self.args)
+            return self._splittable(self.registry.choose("quantization", name).create(self.args), name)
         for registration in sorted(self.registry.registrations("quantization"), key=lambda r: -r.priority):
             if registration.availability().ok:
                 method = registration.create(self.args)
                 if method.detects(str(path)):
+                    if self.parallel.is_parallel and not method.tensor_parallel:
+                        logger.info("quantization %s does not split across tensor-parallel ranks: serving the "
+                                    "checkpoint's dequantized weights", registration.name)
+                        return None
                     logger.info("quantization %s: the checkpoint's own format or the launch's flags "
                                 "(--quantization none dequantizes it)", registration.name)
                     self.quantization_name = registration.name
@@ -205,10 +236,16 @@ class ModelRunner:
         if declared in self.registry.names("quantization"):
             logger.info("quantization %s, as the checkpoint's config declares", declared)
             self.quantization_name = declared
-            return self.registry.choose("quantization", declared).create(self.args)
+            return self._splittable(self.registry.choose("quantization", declared).create(self.args), declared)
         if declared:
             logger.warning("the checkpoint declares quantization %r, which no installed plugin provides", declared)
         return None
+
+    def _splittable(self, method: QuantizationMethod, name: str) -> QuantizationMethod:
+        if self.parallel.is_parallel and not method.tensor_parallel:
+            raise ValueError(f"quantization {name} does not split across tensor-parallel ranks yet: "
+                             "--tensor-parallel-size must be 1 with it")
+        return method
 
     def _load_config(self) -> ModelConfig:
         return ModelConfig.read(self.model_dir, json.loads(self.args.json_model_override_args or "{}"),
@@ -254,6 +291,7 @@ class ModelRunner:
         return int(fraction * available_memory_bytes() // self.kv_bytes_per_token())
 
     def allocate_kv_cache(self, num_slots: int) -> None:
+        self._broadcast("allocate_kv_cache", num_slots=num_slots)
         if not self.keeps_kv:
             # The slots still bound how many tokens run at once; no memory backs them.
             logger.info("KV cache: none (an encoder keeps no keys and values); %d tokens at once", num_slots)
@@ -285,7 +323,34 @@ class ModelRunner:
                              mode=mode, capture_layers=capture_layers, token_type_ids=token_type_ids)
         if self.lora is not None:
             self.lora.set_batch(lora_slots or [-1] * len(extend_lens), extend_lens)
-        out = self.model(batch)
+        if self.tensor_parallel is not None:
+            return self._forward_in_group(batch, dict(
+                input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc, kv_slots=kv_slots,
+                prefix_lens=prefix_lens, extend_lens=extend_lens, logits_indices=logits_indices, mode=mode,
+                capture_layers=capture_layers, token_type_ids=token_type_ids))
+        return self._checked_output(self.model(batch), batch)
+
+    def _broadcast(self, name: str, **payload: Any) -> None:
+        """Rank 0 of a tensor-parallel group: have every rank run the same command."""
+        if self.tensor_parallel is not None and self.tensor_parallel.rank == 0:
+            self.tensor_parallel.send(name, **payload)
+
+    def _forward_in_group(self, batch: ForwardBatch, payload: dict[str, Any]) -> ModelOutput:
+        """Every rank runs the pass; a collective that fails (a rank gone) ends this process:
+        the group cannot compute without it."""
+        try:
+            self._broadcast("forward", **payload)
+            out = self.model(batch)
+        except RuntimeError as exc:
+            if "gloo" in str(exc).lower() or "connection" in str(exc).lower() or "timed out" in str(exc).lower():
+                logger.error("tensor-parallel rank %d: a collective failed (%s); exiting", self.parallel.tp_rank, exc)
+                os._exit(1)
+            raise
+        return self._checked_output(out, batch)
+
+    def _checked_output(self, out: Any, batch: ForwardBatch) -> ModelOutput:
+        extend_lens, logits_indices, capture_layers = batch.extend_lens, batch.logits_indices, batch.capture_layers
+        input_ids = batch.input_ids
         if isinstance(out, torch.Tensor):   # a model written before ModelOutput: logits alone
             out = ModelOutput(out)
         rows = len(extend_lens) if logits_indices is None else len(logits_indices)
@@ -303,6 +368,7 @@ class ModelRunner:
         the same shapes; the attention backends, sampler and KV cache stay. The new model is built
         and loaded whole, as at launch, before it replaces the old one: a checkpoint that fails
         to load leaves the served one as it was."""
+        self._refuse_in_group("new weights")
         args = Namespace(**vars(self.args))
         if model_path is not None:
             args.model_path = model_path
@@ -320,7 +386,17 @@ class ModelRunner:
 
     def release_weights(self) -> None:
         """Drop the weights (their memory goes back); `reload_weights()` brings them back."""
+        self._refuse_in_group("releasing the weights")
         self.model = None
+
+    def _refuse_in_group(self, what: str) -> None:
+        if self.parallel.is_parallel:
+            raise ValueError(f"{what}: not supported with --tensor-parallel-size > 1 yet")
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (rank 0)."""
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.close()
 
     def release_kv_cache(self) -> None:
         self.kv_cache = None

@@ -584,9 +584,11 @@ class Scheduler:
     # ---- introspection ---------------------------------------------------------------------
 
     def close(self) -> None:
-        """The loop ended: let the prefix cache finish its writes to storage."""
+        """The loop ended: let the prefix cache finish its writes to storage, and stop the other
+        tensor-parallel ranks."""
         if self.tree is not None:
             self.tree.close()
+        self.runner.close()
 
     def kv_tokens_in_use(self) -> int:
         """Slots held by requests or the prefix cache (what must be zero after a flush when idle)."""

@@ -12,6 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from srv.sdk.parallel import ParallelContext
+
 
 class ModelConfig:
     """A model directory's config.json as attributes (`config.hidden_size`), with
@@ -134,7 +136,17 @@ class ModelImpl(ABC):
     new token unless the batch asks for more: prompt log-probabilities, verify passes), and the
     hidden states when the batch asks for them. It has `load_weights(named_tensors)` taking
     Hugging Face checkpoint names.
+
+    Under `--tensor-parallel-size` N > 1, srv sets `parallel` (srv.sdk.parallel) before `build`
+    in each of N processes, and the model builds this rank's share of every layer
+    (srv.sdk.layers), its attention with this rank's heads (`num_heads` and `num_kv_heads` of
+    each layer's attention module, which srv reads for the attention backend and KV pool), and
+    returns the whole vocabulary's logits on rank 0. An implementation that does this says so
+    with `tensor_parallel = True`; srv refuses N > 1 for the others.
     """
+
+    tensor_parallel = False
+    parallel: ParallelContext = ParallelContext()
 
     def __init__(self, server_args: Any = None) -> None:
         self.server_args = server_args

@@ -48,6 +48,10 @@ class QuantizationMethod(ABC):
     activation_dtype: Any = None
     # The dtype the model is served in, set by srv before `prepare`.
     served_dtype: Any = None
+    # Whether the method's weights split across tensor-parallel ranks (srv.sdk.layers cuts each
+    # checkpoint tensor by rows or columns before `load_weight`). srv refuses --tensor-parallel-size
+    # > 1 with a method that does not say so, and serves a detected format's dequantized weights.
+    tensor_parallel = False
 
     def __init__(self, server_args: Any = None) -> None:
         self.server_args = server_args

@@ -8,6 +8,8 @@ from srv.sdk.models import ModelConfig, ModelImpl
 class NativeModels(ModelImpl):
     """srv's own implementations of the Llama family (Llama, SmolLM2, Qwen2, Qwen3)."""
 
+    tensor_parallel = True
+
     def supports(self, config: ModelConfig) -> bool:
         from srv.plugins.models.llama import supports
 
@@ -16,7 +18,7 @@ class NativeModels(ModelImpl):
     def build(self, config: ModelConfig):
         from srv.plugins.models.llama import LlamaForCausalLM
 
-        return LlamaForCausalLM(config)
+        return LlamaForCausalLM(config, self.parallel)
 
     def finalize(self, model) -> None:
         from srv.sdk.packed_linear import pack_linear_layers

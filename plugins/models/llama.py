@@ -18,8 +18,11 @@ from torch import nn
 from torch.nn import functional as F
 
 from srv.sdk.attention import ForwardBatch
+from srv.sdk.layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RowParallelLinear,
+                            VocabParallelEmbedding, load_shard)
 from srv.sdk.linear import checkpoint_key, load_weight, shard_rows
 from srv.sdk.models import ModelOutput
+from srv.sdk.parallel import ParallelContext
 from srv.sdk.native import NativeBuildError, NativeKernel, load_c_library
 
 logger = logging.getLogger("srv.models")
@@ -125,16 +128,20 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: Any, layer_id: int) -> None:
+    """This rank's heads: key/value head groups are split across tensor-parallel ranks."""
+
+    def __init__(self, config: Any, layer_id: int, parallel: ParallelContext) -> None:
         super().__init__()
-        self.layer_id = layer_id
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.layer_id, self.parallel = layer_id, parallel
+        total_heads = config.num_attention_heads
+        total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // total_heads
         bias = getattr(config, "attention_bias", False) or config.model_type == "qwen2"
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, total_heads, total_kv_heads, bias, parallel)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.o_proj = RowParallelLinear(total_heads * self.head_dim, config.hidden_size, False, parallel,
+                                        unit=total_heads // total_kv_heads * self.head_dim)
         self.qk_norm = config.model_type == "qwen3"
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, norm_eps(config))
@@ -150,15 +157,17 @@ class Attention(nn.Module):
         apply_rotary(heads[:, :self.num_heads + self.num_kv_heads], *rotary)
         q, k, v = heads.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
         out = batch.attention.forward(q, k, v, self.layer_id, batch)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        return self.parallel.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
 
 
 class MLP(nn.Module):
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, parallel: ParallelContext) -> None:
         super().__init__()
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.parallel = parallel
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2, False,
+                                                       parallel)
+        self.intermediate_size = self.gate_up_proj.out_features // 2   # this rank's
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, False, parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -168,14 +177,14 @@ class MLP(nn.Module):
         else:
             gate, up = gate_up.split(self.intermediate_size, dim=-1)
             out = F.silu(gate) * up
-        return self.down_proj(out)
+        return self.parallel.all_reduce(self.down_proj(out))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: Any, layer_id: int) -> None:
+    def __init__(self, config: Any, layer_id: int, parallel: ParallelContext) -> None:
         super().__init__()
-        self.self_attn = Attention(config, layer_id)
-        self.mlp = MLP(config)
+        self.self_attn = Attention(config, layer_id, parallel)
+        self.mlp = MLP(config, parallel)
         self.input_layernorm = RMSNorm(config.hidden_size, norm_eps(config))
         self.post_attention_layernorm = RMSNorm(config.hidden_size, norm_eps(config))
 
@@ -202,24 +211,24 @@ class LlamaForCausalLM(nn.Module):
     # The same, as SGLang and vLLM name it for quantization methods: fused layer -> its shards.
     packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, parallel: ParallelContext | None = None) -> None:
         super().__init__()
         self.config = config
-        # Given its (empty) weight: Embedding's own random init, on the meta device, imports
-        # torch._dynamo, a second of every launch.
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
-                                         _weight=torch.empty(config.vocab_size, config.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.parallel = parallel = parallel or ParallelContext()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, parallel)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, parallel) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, norm_eps(config))
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         # A tied head gets its own Parameter over the embedding matrix when the weights load: no
         # shared Parameter to re-tie after the model is materialised from the meta device, and the
         # head can be repacked or quantized like any other linear layer.
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, parallel)
+        # Kept here: a module that serves the head's weights (a packed layer) takes its place.
+        self.vocab_starts = self.lm_head.vocab_starts
         attention = self.layers[0].self_attn
         self.rotary = RotaryEmbedding(attention.head_dim, *rope_settings(config))
         self.shapes = LayerShapes(config.hidden_size, attention.num_heads, attention.num_kv_heads, attention.head_dim,
-                                  config.intermediate_size, norm_eps(config))
+                                  self.layers[0].mlp.intermediate_size, norm_eps(config))
         # Per batch size: the layers as srv_decode_layers runs them, or None where one lacks a kernel.
         # They hold the addresses of the weights, which must not be replaced after the first decode
         # step (srv never does; the loader and the quantization run before it).
@@ -249,7 +258,7 @@ class LlamaForCausalLM(nn.Module):
         rows = batch.logits_rows()
         x, _ = norm(x[rows], residual[rows])
         hidden = torch.cat([captured[i] for i in batch.capture_layers], -1) if batch.capture_layers else None
-        return ModelOutput(self.lm_head(x).float(), hidden)
+        return ModelOutput(self.parallel.gather(self.lm_head(x).float(), self.vocab_starts), hidden)
 
     def _float32_copy(self, norm: RMSNorm) -> RMSNorm:
         """A float32 copy of a norm of a model served in another dtype, for its native decode steps
@@ -268,6 +277,8 @@ class LlamaForCausalLM(nn.Module):
         saves the dozen Python calls a layer costs."""
         rows = x.shape[0]
         if not batch.is_decode or (x.dtype != torch.float32 and rows >= FLOAT32_DECODE_ROWS):
+            return None
+        if self.parallel.is_parallel:   # the C layers have no collectives
             return None
         if rows not in self.native_layers:
             self.native_layers[rows] = self._native_layers(rows)
@@ -319,9 +330,15 @@ class LlamaForCausalLM(nn.Module):
             if proj in self.FUSED:
                 fused, shard = self.FUSED[proj]
                 target = params[f"{parent}.{fused}.{leaf}"]
-                load_weight(name, target, self._fused_shard(target, fused, shard, parent), tensor)
+                load_shard(name, self.get_submodule(f"{parent}.{fused}"), target,
+                           self._fused_shard(target, fused, shard, parent), tensor, shard)
                 loaded.add(f"{parent}.{fused}.{leaf}")
-            elif hasattr(params[name], "weight_loader"):
+                continue
+            # This rank's rows or columns of the tensor (all of it at tp=1).
+            sharding = getattr(self.get_submodule(module_path), "sharding", None)
+            if sharding is not None:
+                tensor = sharding.cut(tensor)
+            if hasattr(params[name], "weight_loader"):
                 load_weight(name, params[name], params[name].data, tensor)
                 loaded.add(name)
             else:

@@ -1,0 +1,208 @@
+"""Tensor-parallel ranks (`--tensor-parallel-size`): one process each, in one torch.distributed
+group (gloo on CPU).
+
+Rank 0 is the process that schedules (the scheduler process, or `srv.Engine`'s): it starts the
+other ranks of its node, and each command it runs on its model (allocate the KV pool, run a
+forward pass) it first broadcasts, so every rank runs the same pass on its own share of the
+layers and of the KV heads. Only rank 0 samples and answers. `--nnodes`, `--node-rank` and
+`--dist-init-addr` spread the ranks over machines: node 0 holds rank 0, and each other node's
+`srv launch` starts its own ranks and serves no HTTP (`serve_node`).
+
+A rank that dies ends the group: rank 0 watches the ranks it started and exits when one does
+(the server then reports the scheduler's death and exits non-zero); a collective with a rank
+gone fails within `--dist-timeout`, and a failed collective ends the process; a rank whose
+parent is gone exits.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import threading
+import time
+from argparse import Namespace
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from srv.sdk.parallel import ParallelContext
+
+logger = logging.getLogger("srv.tensor_parallel")
+
+# Ranks other than 0 wait on the command group between batches for as long as the server idles.
+IDLE_TIMEOUT = timedelta(days=365)
+
+
+def local_ranks(args: Namespace) -> range:
+    """The tensor-parallel ranks `args.node_rank` runs."""
+    per_node = args.tensor_parallel_size // args.nnodes
+    return range(args.node_rank * per_node, (args.node_rank + 1) * per_node)
+
+
+def init_address(args: Namespace) -> str:
+    """HOST:PORT where the group forms: --dist-init-addr, else a free port on this machine."""
+    if args.dist_init_addr:
+        return args.dist_init_addr
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{probe.getsockname()[1]}"
+
+
+class TensorParallelGroup:
+    """This process's rank in the group, the collectives (`context`) and the command channel."""
+
+    def __init__(self, args: Namespace, rank: int, address: str) -> None:
+        import torch.distributed as dist
+
+        size = args.tensor_parallel_size
+        timeout = timedelta(seconds=args.dist_timeout) if args.dist_timeout else timedelta(minutes=10)
+        logger.info("tensor-parallel rank %d of %d: joining the group at %s", rank, size, address)
+        dist.init_process_group("gloo", init_method=f"tcp://{address}", rank=rank, world_size=size, timeout=timeout)
+        self.rank, self.size = rank, size
+        self.context = ParallelContext(rank, size, dist.group.WORLD)
+        # Commands travel on a group of their own, whose waits never time out: an idle server
+        # leaves the other ranks waiting for the next batch.
+        self.commands = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+        self.children: list[subprocess.Popen] = []
+        self.closing = False
+
+    def send(self, name: str, **payload: Any) -> None:
+        """Rank 0: have every other rank run `name(**payload)` on its ModelRunner."""
+        import torch.distributed as dist
+
+        dist.broadcast_object_list([(name, payload)], src=0, group=self.commands)
+
+    def receive(self) -> tuple[str, dict[str, Any]]:
+        import torch.distributed as dist
+
+        message: list[Any] = [None]
+        dist.broadcast_object_list(message, src=0, group=self.commands)
+        return message[0]
+
+    def watch(self, children: dict[int, subprocess.Popen]) -> None:
+        """Rank 0: exit when a rank it started (rank -> process) exits: a collective would wait on it."""
+        self.children = list(children.values())
+
+        def watch() -> None:
+            while not self.closing:
+                for rank, child in children.items():
+                    code = child.poll()
+                    if code is not None and not self.closing:
+                        logger.error("tensor-parallel rank %d exited with code %d; stopping", rank, code)
+                        os._exit(1)
+                time.sleep(0.2)
+
+        threading.Thread(target=watch, name="srv-tp-watch", daemon=True).start()
+
+    def close(self) -> None:
+        """Rank 0: stop the other ranks."""
+        if self.rank != 0:
+            return
+        self.closing = True
+        try:
+            self.send("stop")
+        except RuntimeError:
+            pass
+        for child in self.children:
+            try:
+                child.wait(10)
+            except subprocess.TimeoutExpired:
+                child.kill()
+        import torch.distributed as dist
+
+        # A process may form another group later (srv.Engine in tests, a reload).
+        dist.destroy_process_group()
+
+
+def start_ranks(args: Namespace, ranks: range, address: str) -> dict[int, subprocess.Popen]:
+    """Start a process for each of `ranks` (`python -m srv.engine.tensor_parallel`), handed the
+    launch's arguments on standard input."""
+    children = {}
+    for rank in ranks:
+        child = subprocess.Popen([sys.executable, "-m", "srv.engine.tensor_parallel"], stdin=subprocess.PIPE)
+        child.stdin.write(pickle.dumps((args, rank, address)))
+        child.stdin.close()
+        children[rank] = child
+    return children
+
+
+def join_as_rank_zero(args: Namespace) -> TensorParallelGroup:
+    """Rank 0 (node 0): start this node's other ranks, then form the group with them."""
+    address = init_address(args)
+    children = start_ranks(args, local_ranks(args)[1:], address)
+    group = TensorParallelGroup(args, 0, address)
+    group.watch(children)
+    return group
+
+
+def torch_threads(args: Namespace) -> int:
+    """Threads for each rank: this machine's cores shared among the ranks it runs."""
+    return max(1, len(os.sched_getaffinity(0)) // len(local_ranks(args)))
+
+
+def run_rank(args: Namespace, rank: int, address: str) -> None:
+    """A rank other than 0: build this rank's share of the model, then run rank 0's commands
+    until it says stop."""
+    from srv.engine.model_runner import ModelRunner
+    from srv.plugin_manager import load_plugins
+
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(torch_threads(args))
+    parent = os.getppid()
+
+    def exit_with_parent() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        logger.error("tensor-parallel rank %d: the process that started it is gone; exiting", rank)
+        os._exit(4)
+
+    threading.Thread(target=exit_with_parent, name="srv-parent-watch", daemon=True).start()
+    group = TensorParallelGroup(args, rank, address)
+    runner = ModelRunner(args, load_plugins()[1], tensor_parallel=group)
+    logger.info("tensor-parallel rank %d: ready", rank)
+    while True:
+        try:
+            name, payload = group.receive()
+        except RuntimeError as exc:
+            logger.error("tensor-parallel rank %d: rank 0 is gone (%s); exiting", rank, exc)
+            os._exit(1)
+        if name == "stop":
+            logger.info("tensor-parallel rank %d: stopping", rank)
+            return
+        try:
+            getattr(runner, name)(**payload)
+        except Exception:
+            # Rank 0 ran the same command on the same inputs and fails the same way (a request
+            # it then fails): the group goes on. A collective that fails ends the process.
+            logger.exception("tensor-parallel rank %d: %s failed", rank, name)
+
+
+def serve_node(args: Namespace) -> int:
+    """`srv launch --node-rank K` for K > 0: start this node's ranks and wait for them; the exit
+    code is the first non-zero one."""
+    address = args.dist_init_addr
+    children = start_ranks(args, local_ranks(args), address)
+    logger.info("node %d of %d: tensor-parallel ranks %s started, joining %s", args.node_rank, args.nnodes,
+                list(local_ranks(args)), address)
+    codes = [child.wait() for child in children.values()]
+    return next((code for code in codes if code), 0)
+
+
+def main() -> None:
+    args, rank, address = pickle.loads(sys.stdin.buffer.read())
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        run_rank(args, rank, address)
+    except Exception:
+        logger.exception("tensor-parallel rank %d failed", rank)
+        os._exit(1)
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,158 @@
+"""Layers split across tensor-parallel ranks (see srv.sdk.parallel), for model implementations.
+
+Each is the plain torch layer of this rank's shape (an `nn.Linear`, an `nn.Embedding`), so the
+slots that serve a linear layer's weights (a quantization method's `Linear`, a packed layer)
+take its place as they take any linear layer's. What makes it parallel travels with it as its
+`sharding`: which checkpoint rows or columns this rank holds. The model loads a checkpoint
+tensor through `load_shard`, which cuts this rank's part, and calls the collective a layer needs
+after it, whatever module serves it:
+
+    ColumnParallelLinear      output features split: each rank's output is its own columns
+    MergedColumnParallelLinear several projections fused (gate and up), each split
+    QKVParallelLinear         query, key and value heads split by key/value head groups
+    RowParallelLinear         input features split: each rank's output is a partial sum that
+                              the model adds up with `parallel.all_reduce`
+    VocabParallelEmbedding    vocabulary rows split; the lookup adds up the ranks' rows itself
+    ParallelLMHead            vocabulary split: the model puts the logits together on rank 0
+                              with `parallel.gather(logits, head.vocab_starts)`
+
+At tp=1 each is its torch layer and `load_shard` copies the whole tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from srv.sdk.linear import load_weight
+from srv.sdk.parallel import ParallelContext
+
+
+@dataclass
+class Sharding:
+    """This rank's part of a layer's checkpoint tensors: along `dim` (0: output features, 1:
+    input features), for each checkpoint shard (query, key, value; gate, up; or the one tensor)
+    the (start, size) it takes of that tensor. `rank` is the tensor-parallel rank: the bias of
+    an input-split layer is added once, by rank 0."""
+
+    dim: int
+    ranges: list[tuple[int, int]]
+    rank: int = 0
+
+    def cut(self, tensor: torch.Tensor, shard: int = 0) -> torch.Tensor:
+        """This rank's part of checkpoint shard `shard`'s tensor."""
+        start, size = self.ranges[shard]
+        if self.dim == 1 and tensor.dim() == 1:   # an input-split layer's bias
+            return tensor if self.rank == 0 else torch.zeros_like(tensor)
+        if tensor.shape[self.dim] == size and start == 0:
+            return tensor
+        return tensor.narrow(self.dim, start, size)
+
+    def local_offsets(self) -> list[int]:
+        """Where each shard starts in this rank's output features (dim 0)."""
+        offsets = [0]
+        for _, size in self.ranges:
+            offsets.append(offsets[-1] + size)
+        return offsets
+
+
+def load_shard(name: str, module: nn.Module, param: torch.Tensor, rows: torch.Tensor, tensor: torch.Tensor,
+               shard: int = 0) -> None:
+    """Fill `rows` of `param` (a parameter of `module`, or its rows for checkpoint shard `shard`)
+    from this rank's part of the checkpoint's `tensor`."""
+    sharding = getattr(module, "sharding", None)
+    if sharding is not None:
+        tensor = sharding.cut(tensor, shard)
+    load_weight(name, param, rows, tensor)
+
+
+def _split(layer: nn.Module, sharding: Sharding) -> None:
+    layer.sharding = sharding
+
+
+class ColumnParallelLinear(nn.Linear):
+    """y[:, this rank's columns] = x W^T: the output features split across ranks, in units of
+    `unit` (a head's features, say)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, parallel: ParallelContext,
+                 unit: int = 1) -> None:
+        start, size = parallel.partition(out_features, unit)
+        super().__init__(in_features, size, bias=bias)
+        _split(self, Sharding(0, [(start, size)], parallel.tp_rank))
+
+
+class MergedColumnParallelLinear(nn.Linear):
+    """Several column-parallel projections of one input fused into one product (gate and up):
+    each rank holds its part of each, side by side."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool, parallel: ParallelContext,
+                 unit: int = 1) -> None:
+        ranges = [parallel.partition(size, unit) for size in output_sizes]
+        super().__init__(in_features, sum(size for _, size in ranges), bias=bias)
+        _split(self, Sharding(0, ranges, parallel.tp_rank))
+
+
+class QKVParallelLinear(nn.Linear):
+    """Query, key and value projections fused, split by key/value head: a rank holds some
+    key/value heads and the query heads that attend with them (`num_heads`, `num_kv_heads` are
+    this rank's)."""
+
+    def __init__(self, hidden_size: int, head_dim: int, total_heads: int, total_kv_heads: int, bias: bool,
+                 parallel: ParallelContext) -> None:
+        if total_heads % total_kv_heads:
+            raise ValueError(f"{total_heads} query heads do not share {total_kv_heads} key/value heads evenly")
+        group = total_heads // total_kv_heads
+        kv_start, kv_heads = parallel.partition(total_kv_heads)
+        self.num_heads, self.num_kv_heads, self.head_dim = kv_heads * group, kv_heads, head_dim
+        ranges = [(kv_start * group * head_dim, kv_heads * group * head_dim),
+                  (kv_start * head_dim, kv_heads * head_dim), (kv_start * head_dim, kv_heads * head_dim)]
+        super().__init__(hidden_size, (self.num_heads + 2 * kv_heads) * head_dim, bias=bias)
+        _split(self, Sharding(0, ranges, parallel.tp_rank))
+
+
+class RowParallelLinear(nn.Linear):
+    """y = x[:, this rank's features] W[:, those]^T, a partial sum: the model adds the ranks'
+    outputs with `parallel.all_reduce`. `unit` must cut the input as the layer before cut its
+    output (a key/value head group's query features for the attention output)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, parallel: ParallelContext,
+                 unit: int = 1) -> None:
+        start, size = parallel.partition(in_features, unit)
+        super().__init__(size, out_features, bias=bias)
+        _split(self, Sharding(1, [(start, size)], parallel.tp_rank))
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """Each rank holds the rows of a range of the vocabulary; a token's row comes from the rank
+    that holds it (the others add zeros)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, parallel: ParallelContext) -> None:
+        self.vocab_starts = parallel.partition_starts(num_embeddings)
+        start, size = parallel.partition(num_embeddings)
+        # Given its (empty) weight: Embedding's own random init on the meta device imports
+        # torch._dynamo, a second of every launch.
+        super().__init__(size, embedding_dim, _weight=torch.empty(size, embedding_dim))
+        self.parallel, self.vocab_start = parallel, start
+        _split(self, Sharding(0, [(start, size)], parallel.tp_rank))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if not self.parallel.is_parallel:
+            return super().forward(ids)
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.num_embeddings)
+        rows = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.parallel.all_reduce(rows.masked_fill(outside.unsqueeze(-1), 0))
+
+
+class ParallelLMHead(nn.Linear):
+    """The vocabulary head, split by vocabulary range as VocabParallelEmbedding is (a tied head
+    takes the same rows of the embedding matrix)."""
+
+    def __init__(self, hidden_size: int, vocab_size: int, parallel: ParallelContext) -> None:
+        self.vocab_starts = parallel.partition_starts(vocab_size)
+        start, size = parallel.partition(vocab_size)
+        super().__init__(hidden_size, size, bias=False)
+        _split(self, Sharding(0, [(start, size)], parallel.tp_rank))

@@ -1,0 +1,163 @@
+"""Tensor parallelism (`--tensor-parallel-size`) on torch.distributed's gloo: two ranks, one
+process and one torch thread each, give HF transformers' greedy tokens and tp=1's logits within a
+float32 tolerance; a rank that dies ends the server; two "nodes" on loopback serve as one."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+import torch
+
+import srv
+from srv.args.parser import parse_launch_args
+from srv.engine.model_runner import ModelRunner
+from srv.plugin_manager import load_plugins
+from srv.sdk.parallel import ParallelContext
+from test_engine import GREEDY, assert_all_kv_returned, assert_matches_hf, random_prompts
+from test_server import Server, assert_gone, descendants, free_port
+
+# All-reduce adds each layer's two partial products in another order than one product does: the
+# logits move by float32 rounding only. The bound is relative to the largest logit.
+LOGITS_RTOL = 1e-5
+
+
+@pytest.fixture(autouse=True)
+def one_thread_a_rank(monkeypatch):
+    # Two ranks on two cores: one torch thread each (the ranks inherit the variable).
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+
+
+def test_partition_keeps_units_together_and_gives_the_first_ranks_the_extra():
+    two = [ParallelContext(rank, 2) for rank in range(2)]
+    assert two[0].partition_starts(3) == [0, 2, 3]   # SmolLM2's 3 key/value heads
+    assert [ctx.partition(9 * 64, unit=3 * 64) for ctx in two] == [(0, 384), (384, 192)]
+    assert [ctx.partition(49152) for ctx in two] == [(0, 24576), (24576, 24576)]
+    with pytest.raises(ValueError, match="cannot be shared by 4"):
+        ParallelContext(0, 4).partition(3)
+    assert ParallelContext().partition(7) == (0, 7)
+
+
+def prompt_logits(model_dir, tp: int, prompt: list[int]) -> torch.Tensor:
+    manager, registry = load_plugins()
+    args = parse_launch_args(["--model-path", str(model_dir), "--dtype", "float32", "--quantization", "none",
+                              "--tp-size", str(tp)], manager, registry)
+    runner = ModelRunner(args, registry)
+    try:
+        runner.allocate_kv_cache(len(prompt) + 1)
+        n = len(prompt)
+        slots = torch.arange(1, n + 1)
+        return runner.forward(torch.tensor(prompt), torch.arange(n), slots, slots[None], [0], [n],
+                              logits_indices=torch.arange(n)).logits
+    finally:
+        runner.close()
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_tp2_prompt_logits_within_float32_tolerance_of_tp1(tiny_models, kind):
+    prompt = random_prompts(1)[0] + random_prompts(2, seed=1)[1]
+    one, two = (prompt_logits(tiny_models[kind], tp, prompt) for tp in (1, 2))
+    assert two.shape == one.shape == (len(prompt), 49152)
+    assert (two - one).abs().max() <= LOGITS_RTOL * one.abs().max()
+    assert torch.equal(two.argmax(-1), one.argmax(-1))
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def test_tp2_greedy_tokens_match_hf_batched(tiny_models, kind):
+    prompts = random_prompts(4)
+    with srv.Engine(model_path=str(tiny_models[kind]), dtype="float32", tp_size=2) as engine:
+        results = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+        assert_matches_hf(engine, tiny_models[kind], prompts, results)
+        assert_all_kv_returned(engine)
+
+
+def test_default_model_tp2_uneven_heads_matches_hf(default_model_dir):
+    # SmolLM2-135M has 9 query heads in 3 groups: rank 0 computes two groups, rank 1 one. Its
+    # GGUF blocks do not split across ranks yet: tp=2 serves the dequantized weights.
+    prompts = random_prompts(3)
+    with srv.Engine(dtype="float32", tp_size=2, chunked_prefill_size=32) as engine:
+        assert engine.runner.num_heads == 6 and engine.runner.num_kv_heads == 2
+        results = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+        assert_matches_hf(engine, default_model_dir, prompts, results)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--tp-size", "2", "--lora-paths", "a=/nowhere"], "--enable-lora with --tensor-parallel-size > 1"),
+    (["--tp-size", "2", "--speculative-algorithm", "NGRAM"], "--speculative-algorithm with --tensor-parallel-size"),
+    (["--tp-size", "3", "--nnodes", "2", "--dist-init-addr", "127.0.0.1:1"], "does not split over --nnodes 2"),
+    (["--tp-size", "2", "--nnodes", "2"], "needs --dist-init-addr"),
+    (["--node-rank", "1"], "--node-rank 1 is not one of the 1 nodes"),
+    (["--tp-size", "2", "--quantization", "gguf"], "quantization gguf does not split"),
+    (["--tp-size", "2", "--model-impl", "transformers"], "does not split models across ranks"),
+])
+def test_layouts_srv_cannot_run_fail_at_launch_naming_the_flag(flags, message):
+    result = subprocess.run([sys.executable, "-m", "srv", "launch", "--skip-server-warmup", "--port", str(free_port()),
+                             *flags], capture_output=True, text=True, timeout=180,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode != 0
+    assert message in result.stdout + result.stderr
+
+
+def completion(server: Server, prompt: str = "The capital of France is") -> httpx.Response:
+    return httpx.post(f"{server.base}/v1/completions", json={"prompt": prompt, "max_tokens": 8, "temperature": 0},
+                      timeout=120)
+
+
+def rank_processes(pids: set[int]) -> list[int]:
+    return [pid for pid in pids if b"srv.engine.tensor_parallel" in _cmdline(pid)]
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        return b""
+
+
+def test_server_at_tp2_answers_and_a_dead_rank_ends_it(tmp_path):
+    server = Server("--tp-size", "2", "--skip-server-warmup", "--max-total-tokens", "4096")
+    try:
+        alone = Server("--skip-server-warmup", "--quantization", "none", "--max-total-tokens", "4096")
+        try:
+            expected = completion(alone).json()["choices"][0]["text"]
+        finally:
+            alone.stop()
+        reply = completion(server)
+        assert reply.status_code == 200 and reply.json()["choices"][0]["text"] == expected
+        children = descendants(server.process.pid)
+        [rank_one] = rank_processes(children)
+        os.kill(rank_one, signal.SIGKILL)
+        assert server.process.wait(timeout=60) != 0
+        assert_gone(children)
+        assert "tensor-parallel rank 1 exited" in "".join(server.output)
+    finally:
+        if server.process.poll() is None:
+            server.process.kill()
+
+
+def test_two_nodes_on_loopback_serve_as_one_and_a_dead_node_ends_the_other():
+    address = f"127.0.0.1:{free_port()}"
+    group = ["--tp-size", "2", "--nnodes", "2", "--dist-init-addr", address]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    other = subprocess.Popen([sys.executable, "-m", "srv", "launch", *group, "--node-rank", "1", "--dtype", "float32"],
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        node0 = Server(*group, "--node-rank", "0", "--skip-server-warmup", "--max-total-tokens", "4096")
+        reply = completion(node0)
+        assert reply.status_code == 200 and reply.json()["choices"][0]["text"]
+        assert not rank_processes(descendants(node0.process.pid))   # its one rank is the scheduler
+        other.kill()
+        started = time.monotonic()
+        completion(node0)   # the collective fails: the scheduler ends, and the server with it
+        assert node0.process.wait(timeout=60) != 0
+        assert time.monotonic() - started < 60
+    finally:
+        for process in (other, getattr(locals().get("node0"), "process", None)):
+            if process is not None and process.poll() is None:
+                process.kill()
