@@ -41,14 +41,18 @@ class Sharding:
     dim: int
     ranges: list[tuple[int, int]]
     rank: int = 0
+    ranks: int = 1
 
     def cut(self, tensor: torch.Tensor, shard: int = 0) -> torch.Tensor:
-        """This rank's part of checkpoint shard `shard`'s tensor."""
+        """This rank's part of checkpoint shard `shard`'s tensor (all of it with one rank)."""
+        if self.ranks == 1:
+            return tensor
         start, size = self.ranges[shard]
         if self.dim == 1 and tensor.dim() == 1:   # an input-split layer's bias
             return tensor if self.rank == 0 else torch.zeros_like(tensor)
-        if tensor.shape[self.dim] == size and start == 0:
-            return tensor
+        if tensor.dim() <= self.dim or tensor.shape[self.dim] < start + size:
+            raise ValueError(f"a checkpoint tensor of shape {list(tensor.shape)} has no [{start}, {start + size}) "
+                             f"along dimension {self.dim} for tensor-parallel rank {self.rank}")
         return tensor.narrow(self.dim, start, size)
 
     def local_offsets(self) -> list[int]:
@@ -81,7 +85,7 @@ class ColumnParallelLinear(nn.Linear):
                  unit: int = 1) -> None:
         start, size = parallel.partition(out_features, unit)
         super().__init__(in_features, size, bias=bias)
-        _split(self, Sharding(0, [(start, size)], parallel.tp_rank))
+        _split(self, Sharding(0, [(start, size)], parallel.tp_rank, parallel.tp_size))
 
 
 class MergedColumnParallelLinear(nn.Linear):
@@ -92,7 +96,7 @@ class MergedColumnParallelLinear(nn.Linear):
                  unit: int = 1) -> None:
         ranges = [parallel.partition(size, unit) for size in output_sizes]
         super().__init__(in_features, sum(size for _, size in ranges), bias=bias)
-        _split(self, Sharding(0, ranges, parallel.tp_rank))
+        _split(self, Sharding(0, ranges, parallel.tp_rank, parallel.tp_size))
 
 
 class QKVParallelLinear(nn.Linear):
@@ -110,7 +114,7 @@ class QKVParallelLinear(nn.Linear):
         ranges = [(kv_start * group * head_dim, kv_heads * group * head_dim),
                   (kv_start * head_dim, kv_heads * head_dim), (kv_start * head_dim, kv_heads * head_dim)]
         super().__init__(hidden_size, (self.num_heads + 2 * kv_heads) * head_dim, bias=bias)
-        _split(self, Sharding(0, ranges, parallel.tp_rank))
+        _split(self, Sharding(0, ranges, parallel.tp_rank, parallel.tp_size))
 
 
 class RowParallelLinear(nn.Linear):
@@ -122,7 +126,7 @@ class RowParallelLinear(nn.Linear):
                  unit: int = 1) -> None:
         start, size = parallel.partition(in_features, unit)
         super().__init__(size, out_features, bias=bias)
-        _split(self, Sharding(1, [(start, size)], parallel.tp_rank))
+        _split(self, Sharding(1, [(start, size)], parallel.tp_rank, parallel.tp_size))
 
 
 class VocabParallelEmbedding(nn.Embedding):
@@ -136,7 +140,7 @@ class VocabParallelEmbedding(nn.Embedding):
         # torch._dynamo, a second of every launch.
         super().__init__(size, embedding_dim, _weight=torch.empty(size, embedding_dim))
         self.parallel, self.vocab_start = parallel, start
-        _split(self, Sharding(0, [(start, size)], parallel.tp_rank))
+        _split(self, Sharding(0, [(start, size)], parallel.tp_rank, parallel.tp_size))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if not self.parallel.is_parallel:
@@ -155,4 +159,4 @@ class ParallelLMHead(nn.Linear):
         self.vocab_starts = parallel.partition_starts(vocab_size)
         start, size = parallel.partition(vocab_size)
         super().__init__(hidden_size, size, bias=False)
-        _split(self, Sharding(0, [(start, size)], parallel.tp_rank))
+        _split(self, Sharding(0, [(start, size)], parallel.tp_rank, parallel.tp_size))

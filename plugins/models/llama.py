@@ -161,9 +161,9 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: Any, parallel: ParallelContext) -> None:
+    def __init__(self, config: Any, parallel: ParallelContext | None = None) -> None:
         super().__init__()
-        self.parallel = parallel
+        self.parallel = parallel = parallel or ParallelContext()
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2, False,
                                                        parallel)
         self.intermediate_size = self.gate_up_proj.out_features // 2   # this rank's
