@@ -218,7 +218,7 @@ EXPECTED_NOT_SUPPORTED_YET = {
     "--offload-group-size", "--offload-num-in-group", "--offload-prefetch-step", "--offload-mode",
     "--cuda-graph-max-bs", "--cuda-graph-bs", "--disable-cuda-graph-padding",
     "--enable-profile-cuda-graph", "--enable-cudagraph-gc", "--enable-nccl-nvls", "--enable-symm-mem",
-    "--disable-flashinfer-cutlass-moe-fp4-allgather", "--enable-tokenizer-batch-encode", "--disable-custom-all-reduce",
+    "--disable-flashinfer-cutlass-moe-fp4-allgather", "--enable-tokenizer-batch-encode",
     "--enable-mscclpp", "--enable-torch-symm-mem", "--enable-dp-attention",
     "--enable-dp-lm-head", "--enable-two-batch-overlap", "--enable-single-batch-overlap", "--tbo-token-distribution-threshold",
     "--enable-torch-compile", "--enable-torch-compile-debug-mode", "--enable-piecewise-cuda-graph", "--piecewise-cuda-graph-tokens",

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -17,6 +18,7 @@ import torch
 import srv
 from srv.args.parser import parse_launch_args
 from srv.engine.model_runner import ModelRunner
+from srv.engine.shm_collectives import SLOT_BYTES, SharedMemoryCollectives, create_segment
 from srv.plugin_manager import load_plugins
 from srv.sdk.parallel import ParallelContext
 from test_engine import GREEDY, assert_all_kv_returned, assert_matches_hf, random_prompts
@@ -43,10 +45,41 @@ def test_partition_keeps_units_together_and_gives_the_first_ranks_the_extra():
     assert ParallelContext().partition(7) == (0, 7)
 
 
-def prompt_logits(model_dir, tp: int, prompt: list[int]) -> torch.Tensor:
+def test_shared_memory_collectives_sum_in_rank_order_in_pieces_and_carry_commands():
+    name = f"test-{os.getpid()}"
+    create_segment(name, 2)
+    ranks = [SharedMemoryCollectives(name, rank, 2, timeout=30) for rank in range(2)]
+    SharedMemoryCollectives.unlink(name)
+    generator = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(3 * SLOT_BYTES // 4 // 1000 + 7, 1000, generator=generator) for _ in range(2)]
+    results: dict[int, object] = {}
+
+    def run(rank: int) -> None:
+        x = inputs[rank].clone()
+        ranks[rank].all_reduce(x)
+        parts = ranks[rank].gather(inputs[rank][:5])
+        if rank == 0:
+            ranks[0].send(("forward", {"ids": torch.arange(SLOT_BYTES)}))   # a message over a slot
+            results[rank] = (x, parts)
+        else:
+            results[rank] = (x, parts, ranks[1].receive())
+
+    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    expected = inputs[0] + inputs[1]
+    assert torch.equal(results[0][0], expected) and torch.equal(results[1][0], expected)
+    assert torch.equal(torch.stack(results[0][1]), torch.stack([x[:5] for x in inputs])) and results[1][1] is None
+    name, payload = results[1][2]
+    assert name == "forward" and torch.equal(payload["ids"], torch.arange(SLOT_BYTES))
+
+
+def prompt_logits(model_dir, tp: int, prompt: list[int], *flags: str) -> torch.Tensor:
     manager, registry = load_plugins()
     args = parse_launch_args(["--model-path", str(model_dir), "--dtype", "float32", "--quantization", "none",
-                              "--tp-size", str(tp)], manager, registry)
+                              "--tp-size", str(tp), *flags], manager, registry)
     runner = ModelRunner(args, registry)
     try:
         runner.allocate_kv_cache(len(prompt) + 1)
@@ -58,10 +91,13 @@ def prompt_logits(model_dir, tp: int, prompt: list[int]) -> torch.Tensor:
         runner.close()
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3"])
-def test_tp2_prompt_logits_within_float32_tolerance_of_tp1(tiny_models, kind):
-    prompt = random_prompts(1)[0] + random_prompts(2, seed=1)[1]
-    one, two = (prompt_logits(tiny_models[kind], tp, prompt) for tp in (1, 2))
+@pytest.mark.parametrize("kind, flags", [("llama", ()), ("qwen3", ()),
+                                         ("llama", ("--disable-custom-all-reduce",))], ids=["llama", "qwen3", "gloo"])
+def test_tp2_prompt_logits_within_float32_tolerance_of_tp1(tiny_models, kind, flags):
+    # 40 rows of 49152 logits: more than one shared-memory slot, so the gather goes in pieces.
+    # --disable-custom-all-reduce runs every collective on gloo.
+    prompt = random_prompts(1)[0] + random_prompts(2, seed=1)[1] + random_prompts(6, seed=2)[4]
+    one, two = (prompt_logits(tiny_models[kind], tp, prompt, *flags) for tp in (1, 2))
     assert two.shape == one.shape == (len(prompt), 49152)
     assert (two - one).abs().max() <= LOGITS_RTOL * one.abs().max()
     assert torch.equal(two.argmax(-1), one.argmax(-1))

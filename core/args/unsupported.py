@@ -104,7 +104,6 @@ NOT_SUPPORTED_YET = frozenset({
     "--enable-symm-mem",
     "--disable-flashinfer-cutlass-moe-fp4-allgather",
     "--enable-tokenizer-batch-encode",
-    "--disable-custom-all-reduce",
     "--enable-mscclpp",
     "--enable-torch-symm-mem",
     "--enable-dp-attention",

@@ -80,11 +80,13 @@ def run_once(scheduler: Any, rng: random.Random, vocab: int, batch_size: int, in
         prefill_latency += step()
         prefill_steps += 1
     decode_times: list[float] = []
+    collectives = scheduler.runner.parallel.collective_seconds
     with tqdm(total=max(output_len - 1, 0), disable=disable_tqdm, unit="step",
               desc=f"decode bs={batch_size}", leave=False) as bar:
         while scheduler.has_work:
             decode_times.append(step())
             bar.update(1)
+    collectives = scheduler.runner.parallel.collective_seconds - collectives
     if scheduler.stats.retractions != retractions:
         logger.warning("%d requests were retracted (KV cache full): the timings include their recomputation",
                        scheduler.stats.retractions - retractions)
@@ -101,6 +103,9 @@ def run_once(scheduler: Any, rng: random.Random, vocab: int, batch_size: int, in
         "decode_median_s": decode_median,
         "decode_mean_s": decode_mean,
         "decode_throughput": batch_size / decode_median if decode_median > 0 else 0.0,
+        # Under tensor parallelism: the share of the decode steps rank 0 spent in collectives
+        # (the command broadcast, the all-reduces, the logits' gather).
+        "decode_collective_share": collectives / sum(decode_times) if decode_times else 0.0,
         "total_latency_s": total,
         "overall_throughput": batch_size * (input_len + output_len) / total if total > 0 else 0.0,
     }
@@ -128,7 +133,7 @@ def run_one_batch_benchmark(config: OneBatchConfig, launch_args: Namespace, regi
                         result["decode_median_s"], result["decode_throughput"])
             runs.append(result)
         summary = {"model": str(runner.model_dir), "dtype": str(runner.dtype).removeprefix("torch."),
-                   "quantization": runner.quantization_name, "runs": runs}
+                   "quantization": runner.quantization_name, "tp_size": runner.parallel.tp_size, "runs": runs}
         if config.gemm:
             logger.info("timing the linear layers' products and the machine's peaks")
             rows = sorted({bs for bs, _, _ in shapes} | {min(bs * il, MAX_GEMM_ROWS) for bs, il, _ in shapes})
@@ -138,6 +143,7 @@ def run_one_batch_benchmark(config: OneBatchConfig, launch_args: Namespace, regi
         # Drop the KV cache and the weights now, not whenever the caller's references go.
         scheduler.waiting.clear()
         scheduler.running.clear()
+        runner.close()
         runner.kv_cache = None
         runner.model = None
         del scheduler, runner
@@ -154,6 +160,8 @@ def format_one_batch(summary: dict[str, Any]) -> str:
             ("Median decode step latency (s)", f"{run['decode_median_s']:.5f}"),
             ("Mean decode step latency (s)", f"{run['decode_mean_s']:.5f}"),
             ("Decode throughput (tok/s)", f"{run['decode_throughput']:.2f}"),
+            *([("Decode time in collectives", f"{run['decode_collective_share']:.1%}")]
+              if run.get("decode_collective_share") else []),
             ("Total latency (s)", f"{run['total_latency_s']:.4f}"),
             ("Overall throughput (tok/s)", f"{run['overall_throughput']:.2f}"),
         ]

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from srv.engine.shm_collectives import SharedMemoryCollectives, create_segment
 from srv.sdk.parallel import ParallelContext
 
 logger = logging.getLogger("srv.tensor_parallel")
@@ -62,12 +63,22 @@ class TensorParallelGroup:
         size = args.tensor_parallel_size
         timeout = timedelta(seconds=args.dist_timeout) if args.dist_timeout else timedelta(minutes=10)
         logger.info("tensor-parallel rank %d of %d: joining the group at %s", rank, size, address)
+        # Ranks on one machine meet in shared memory, set up by rank 0 before the group forms.
+        shared = args.nnodes == 1 and not args.disable_custom_all_reduce
+        name = address.replace(":", "-")
+        if shared and rank == 0:
+            create_segment(name, size)
         dist.init_process_group("gloo", init_method=f"tcp://{address}", rank=rank, world_size=size, timeout=timeout)
         self.rank, self.size = rank, size
-        self.context = ParallelContext(rank, size, dist.group.WORLD)
+        self.local = SharedMemoryCollectives(name, rank, size, timeout.total_seconds()) if shared else None
+        self.context = ParallelContext(rank, size, dist.group.WORLD, local=self.local)
         # Commands travel on a group of their own, whose waits never time out: an idle server
         # leaves the other ranks waiting for the next batch.
         self.commands = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+        if shared:
+            dist.barrier()   # every rank has mapped the segment
+            if rank == 0:
+                SharedMemoryCollectives.unlink(name)
         self.children: list[subprocess.Popen] = []
         self.closing = False
 
@@ -75,11 +86,18 @@ class TensorParallelGroup:
         """Rank 0: have every other rank run `name(**payload)` on its ModelRunner."""
         import torch.distributed as dist
 
-        dist.broadcast_object_list([(name, payload)], src=0, group=self.commands)
+        started = time.perf_counter()
+        if self.local is not None:
+            self.local.send((name, payload))
+        else:
+            dist.broadcast_object_list([(name, payload)], src=0, group=self.commands)
+        self.context.collective_seconds += time.perf_counter() - started
 
     def receive(self) -> tuple[str, dict[str, Any]]:
         import torch.distributed as dist
 
+        if self.local is not None:
+            return self.local.receive()
         message: list[Any] = [None]
         dist.broadcast_object_list(message, src=0, group=self.commands)
         return message[0]
@@ -101,7 +119,7 @@ class TensorParallelGroup:
 
     def close(self) -> None:
         """Rank 0: stop the other ranks."""
-        if self.rank != 0:
+        if self.rank != 0 or self.closing:
             return
         self.closing = True
         try:
