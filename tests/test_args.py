@@ -201,7 +201,7 @@ EXPECTED_NOT_SUPPORTED_YET = {
     
     
     "--kv-events-config", 
-    "--data-parallel-size", "--load-balance-method", "--load-watch-interval", "--prefill-round-robin-balance",
+    "--load-watch-interval", "--prefill-round-robin-balance",
     "--max-lora-chunk-size", "--mm-attention-backend", "--nsa-prefill",
     "--nsa-decode", "--fp8-gemm-backend", "--disable-flashinfer-autotune",
     "--speculative-draft-model-revision", "--speculative-token-map",

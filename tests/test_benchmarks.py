@@ -71,18 +71,21 @@ def test_workloads_reuse_the_sweep_for_w1_and_w3():
     names = [w.name for w in workloads(quick=False)]
     assert names == ["c1", "c4", "c16", "c64", "prefix16", "prefix16-steady", "c16-hog", "repeat", "c1-ngram",
                      "repeat-ngram", "c1-int8", "c16-int8", "c64-int8", "c16-float32", "c64-float32",
-                     "prefixes8", "prefixes8-hicache"]
+                     "prefixes8", "prefixes8-hicache", "c1-tp2", "c16-tp2", "c1-dp2", "c16-dp2"]
     assert W1 == "c16" and W3 == "c1" and W2 == "prefix16"
     assert [num_prompts(c, False) for c in (1, 4, 16, 64)] == [4, 8, 16, 64]
     assert [num_prompts(c, True) for c in (1, 4, 16, 64)] == [2, 4, 16, 64]
-    burst, steady, hog, repeat, w3_ngram, repeat_ngram = workloads(quick=False)[-13:-7]
+    everything = workloads(quick=False)
+    everything, parallel = everything[:-4], everything[-4:]
+    assert [(w.concurrency, w.srv_flags) for w in parallel] == [(1, ("--tp-size", "2")), (16, ("--tp-size", "2")),
+                                                               (1, ("--dp-size", "2")), (16, ("--dp-size", "2"))]
+    burst, steady, hog, repeat, w3_ngram, repeat_ngram = everything[-13:-7]
     assert repeat.endpoint == repeat_ngram.endpoint == "chat" and repeat.instruction == repeat_ngram.instruction
     assert w3_ngram.speculative and repeat_ngram.speculative and not repeat.speculative
     assert burst.shared_prefix_len == steady.shared_prefix_len == 512 and burst.context_tokens == 768
     assert (burst.num_prompts, steady.num_prompts, steady.concurrency) == (16, 48, 16)
     assert hog.hog and not burst.hog and (hog.concurrency, hog.num_prompts) == (16, 16)
-    int8, float32, hierarchical = (workloads(quick=False)[-7:-4], workloads(quick=False)[-4:-2],
-                                   workloads(quick=False)[-2:])
+    int8, float32, hierarchical = everything[-7:-4], everything[-4:-2], everything[-2:]
     assert all(w.srv_flags == ("--quantization", "w8a8_int8") and not w.speculative for w in int8)
     assert [w.concurrency for w in int8 + float32] == [1, 16, 64, 16, 64]
     assert all(w.srv_flags == ("--quantization", "none", "--dtype", "float32") for w in float32)

@@ -185,7 +185,7 @@ def check_launch_args(args: argparse.Namespace, parser: LaunchArgumentParser) ->
 
 
 def parallel_refusals(args: argparse.Namespace) -> list[str]:
-    """What srv cannot honour of the tensor-parallel and multi-node flags."""
+    """What srv cannot honour of the parallel and multi-node flags."""
     tp, nnodes = args.tensor_parallel_size, args.nnodes
     refused = []
     if tp < 1 or nnodes < 1:
@@ -194,6 +194,14 @@ def parallel_refusals(args: argparse.Namespace) -> list[str]:
         refused.append(f"--tensor-parallel-size {tp} does not split over --nnodes {nnodes}")
     if not 0 <= args.node_rank < max(nnodes, 1):
         refused.append(f"--node-rank {args.node_rank} is not one of the {nnodes} nodes")
+    if args.data_parallel_size < 1:
+        refused.append("--data-parallel-size must be at least 1")
+    if args.data_parallel_size > 1 and nnodes > 1:
+        refused.append("--data-parallel-size > 1 across --nnodes > 1 is not supported yet: each node runs its own "
+                       "data-parallel groups behind its own server")
+    if args.data_parallel_size > 1 and args.dist_init_addr:
+        refused.append("--dist-init-addr with --data-parallel-size > 1: each group forms its tensor-parallel group "
+                       "on a port of its own")
     if nnodes > 1 and not args.dist_init_addr:
         refused.append("--nnodes > 1 needs --dist-init-addr HOST:PORT, where node 0's rank 0 forms the group")
     if tp > 1:

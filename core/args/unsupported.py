@@ -34,8 +34,6 @@ NOT_SUPPORTED_YET = frozenset({
     "--enable-metrics-for-all-schedulers",
     "--kv-events-config",
     # Data parallelism
-    "--data-parallel-size",
-    "--load-balance-method",
     "--load-watch-interval",
     "--prefill-round-robin-balance",
     # Multi-node distributed serving

@@ -26,9 +26,9 @@ def main(argv: list[str]) -> int:
 
         logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         return serve_node(args)
-    from srv.server.scheduler_main import spawn_scheduler_process
+    from srv.server.scheduler_main import spawn_scheduler_processes
 
-    scheduler_process = spawn_scheduler_process(args)
+    schedulers = spawn_scheduler_processes(args)
     from srv.server.launch import serve
 
-    return serve(args, manager, registry, scheduler_process)
+    return serve(args, manager, registry, schedulers)

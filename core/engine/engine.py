@@ -34,8 +34,10 @@ from srv.plugin_manager import load_plugins
 logger = logging.getLogger("srv.engine")
 
 
-def choose_torch_threads() -> None:
-    """One torch thread per core this process may run on, unless OMP_NUM_THREADS says otherwise.
+def choose_torch_threads(args: Namespace) -> None:
+    """One torch thread per core this process may run on, unless OMP_NUM_THREADS says otherwise;
+    the cores are shared among the processes that compute at once (data-parallel groups, and
+    the tensor-parallel ranks on this machine: srv.engine.tensor_parallel.torch_threads).
 
     Measured on the 2-core development machine (default model, bf16, 64 tokens per request):
     batch 16 decodes 203 tok/s with 2 threads against 150 with 1, and with the other core kept
@@ -43,7 +45,9 @@ def choose_torch_threads() -> None:
     never lost here. Tests that run a client beside the server set OMP_NUM_THREADS=1.
     """
     if "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(len(os.sched_getaffinity(0)))
+        from srv.engine.tensor_parallel import torch_threads
+
+        torch.set_num_threads(torch_threads(args))
 
 
 class Engine:
@@ -62,6 +66,9 @@ class Engine:
         return engine
 
     def _start(self, args: Namespace, registry: BackendRegistry) -> None:
+        if args.data_parallel_size > 1:
+            raise ValueError("--data-parallel-size: srv.Engine runs one scheduler; `srv launch` serves data-parallel "
+                             "groups behind one server")
         self.server_args = args
         self.runner, self.scheduler = build_scheduler(args, registry)
         self.tokenizer = self.scheduler.tokenizer
@@ -213,7 +220,7 @@ def build_scheduler(args: Namespace, registry: BackendRegistry,
                     on_model_dir: Callable[[Path], None] | None = None) -> tuple[ModelRunner, Scheduler]:
     """Model, KV memory and scheduler for `args`; `on_model_dir` hears of the model directory
     before the weights load. The tokenizer loads later (see Scheduler.set_tokenizer_loader)."""
-    choose_torch_threads()
+    choose_torch_threads(args)
     if args.random_seed is not None:
         # Unseeded sampling draws from torch's global generator: --random-seed fixes it.
         torch.manual_seed(args.random_seed)

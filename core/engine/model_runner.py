@@ -96,10 +96,8 @@ class ModelRunner:
         (srv.engine.tensor_parallel), unless `tensor_parallel` names the group of another rank."""
         self.args, self.registry = args, registry
         if args.tensor_parallel_size > 1 and tensor_parallel is None:
-            from srv.engine.tensor_parallel import join_as_rank_zero, torch_threads
+            from srv.engine.tensor_parallel import join_as_rank_zero
 
-            if "OMP_NUM_THREADS" not in os.environ:
-                torch.set_num_threads(torch_threads(args))
             tensor_parallel = join_as_rank_zero(args)
         self.tensor_parallel = tensor_parallel
         self.parallel: ParallelContext = tensor_parallel.context if tensor_parallel is not None else ParallelContext()

@@ -159,8 +159,9 @@ def join_as_rank_zero(args: Namespace) -> TensorParallelGroup:
 
 
 def torch_threads(args: Namespace) -> int:
-    """Threads for each rank: this machine's cores shared among the ranks it runs."""
-    return max(1, len(os.sched_getaffinity(0)) // len(local_ranks(args)))
+    """Threads for each process that computes: this machine's cores shared among the ranks it
+    runs, in each data-parallel group."""
+    return max(1, len(os.sched_getaffinity(0)) // (len(local_ranks(args)) * args.data_parallel_size))
 
 
 def run_rank(args: Namespace, rank: int, address: str) -> None:

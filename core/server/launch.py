@@ -27,15 +27,15 @@ logger = logging.getLogger("srv.server")
 
 
 def serve(args: Namespace, manager: PluginManager, registry: BackendRegistry,
-          scheduler_process: SpawnedScheduler) -> int:
-    """Serve with the scheduler process that `spawn_scheduler_process` started (early: it
+          schedulers: list[SpawnedScheduler]) -> int:
+    """Serve with the scheduler processes that `spawn_scheduler_processes` started (early: it
     imports torch while this process imports the HTTP stack)."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return asyncio.run(_serve(args, manager, registry, scheduler_process))
+    return asyncio.run(_serve(args, manager, registry, schedulers))
 
 
 async def _serve(args: Namespace, manager: PluginManager, registry: BackendRegistry,
-                 scheduler_process: SpawnedScheduler) -> int:
+                 schedulers: list[SpawnedScheduler]) -> int:
     log = RequestLog(args)
     model_name = args.served_model_name or args.model_path or "SmolLM2-135M-Instruct"
     server: uvicorn.Server | None = None
@@ -57,7 +57,7 @@ async def _serve(args: Namespace, manager: PluginManager, registry: BackendRegis
     signals: list[int] = []
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, on_signal)
-    scheduler = SchedulerProcess(args, registry, scheduler_process, on_death)
+    scheduler = SchedulerProcess(args, registry, schedulers, on_death)
     tracer: RequestTracer | None = None
     try:
         try:

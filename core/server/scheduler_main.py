@@ -186,9 +186,14 @@ class SpawnedScheduler:
     sockets: SchedulerSockets
 
 
-def spawn_scheduler_process(args: Namespace) -> SpawnedScheduler:
-    sockets = SchedulerSockets(tempfile.mkdtemp(prefix="srv-"))
-    process = multiprocessing.get_context("spawn").Process(
-        target=run_scheduler_process, name="srv-scheduler", daemon=True, args=(args, sockets))
-    process.start()
-    return SpawnedScheduler(process, sockets)
+def spawn_scheduler_processes(args: Namespace) -> list[SpawnedScheduler]:
+    """One scheduler process per data-parallel group (--data-parallel-size)."""
+    spawned = []
+    for group in range(args.data_parallel_size):
+        sockets = SchedulerSockets(tempfile.mkdtemp(prefix="srv-"))
+        process = multiprocessing.get_context("spawn").Process(
+            target=run_scheduler_process, name=f"srv-scheduler-{group}" if group else "srv-scheduler", daemon=True,
+            args=(args, sockets))
+        process.start()
+        spawned.append(SpawnedScheduler(process, sockets))
+    return spawned

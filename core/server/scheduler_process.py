@@ -13,6 +13,7 @@ import logging
 import shutil
 import threading
 from argparse import Namespace
+from multiprocessing.process import BaseProcess
 from typing import Any, Callable
 
 import zmq
@@ -22,26 +23,39 @@ from srv.backend_registry import BackendRegistry
 from srv.engine.grammar import GrammarCompiler
 from srv.engine.tokenizer import import_tokenizer_modules, load_tokenizer
 from srv.engine.frontend import Frontend
+from srv.server.data_parallel import DataParallelRouter
 from srv.server.scheduler_main import ModelDirKnown, SchedulerFailed, SchedulerReady, Shutdown, SpawnedScheduler
 
 logger = logging.getLogger("srv.scheduler_process")
 
 
 class SchedulerProcess:
-    """Connects a `Frontend` to a scheduler process that `spawn_scheduler_process` started."""
+    """Connects a `Frontend` to the scheduler processes that `spawn_scheduler_processes` started:
+    one, or one per data-parallel group behind a `DataParallelRouter`."""
 
-    def __init__(self, args: Namespace, registry: BackendRegistry, spawned: SpawnedScheduler,
+    def __init__(self, args: Namespace, registry: BackendRegistry, spawned: list[SpawnedScheduler],
                  on_death: Callable[[str], None]) -> None:
         self.args, self.registry, self.on_death = args, registry, on_death
-        self.process, self._sockets = spawned.process, spawned.sockets
+        self.processes = [s.process for s in spawned]
+        self._folders = [s.sockets.folder for s in spawned]
         self._context = zmq.asyncio.Context()
-        self._requests = zmq.Context.instance().socket(zmq.PUSH)
-        self._requests.bind(self._sockets.requests)
-        self._outputs = self._context.socket(zmq.PULL)
-        self._outputs.bind(self._sockets.outputs)
+        self._requests, self._outputs = [], []
+        for group in spawned:
+            requests = zmq.Context.instance().socket(zmq.PUSH)
+            requests.bind(group.sockets.requests)
+            outputs = self._context.socket(zmq.PULL)
+            outputs.bind(group.sockets.outputs)
+            self._requests.append(requests)
+            self._outputs.append(outputs)
+        self.router = DataParallelRouter([r.send_pyobj for r in self._requests], args.load_balance_method) \
+            if len(spawned) > 1 else None
         self.frontend: Frontend | None = None
         self.ready: SchedulerReady | None = None
         self._tasks: list[asyncio.Task] = []
+
+    @property
+    def process(self) -> BaseProcess:
+        return self.processes[0]
 
     async def start(self) -> Frontend:
         if not self.args.skip_tokenizer_init:
@@ -49,60 +63,77 @@ class SchedulerProcess:
             # the scheduler process imports torch, not after.
             threading.Thread(target=import_tokenizer_modules, name="srv-tokenizer-import", daemon=True).start()
         tokenizer: asyncio.Future | None = None
-        message = await self._next_message()
-        if isinstance(message, ModelDirKnown):
-            if not self.args.skip_tokenizer_init:
-                tokenizer = asyncio.ensure_future(asyncio.to_thread(load_tokenizer, self.args, message.model_dir))
-            message = await self._next_message()
-        if isinstance(message, SchedulerFailed):
-            raise RuntimeError(f"the scheduler could not start: {message.error}")
-        self.ready = message
+        readies = []
+        for group in range(len(self.processes)):
+            message = await self._next_message(group)
+            if isinstance(message, ModelDirKnown):
+                if group == 0 and not self.args.skip_tokenizer_init:
+                    tokenizer = asyncio.ensure_future(asyncio.to_thread(load_tokenizer, self.args, message.model_dir))
+                message = await self._next_message(group)
+            if isinstance(message, SchedulerFailed):
+                raise RuntimeError(f"the scheduler could not start: {message.error}")
+            readies.append(message)
+        self.ready = message = readies[0]
+        if len(readies) > 1:
+            logger.info("data parallelism: %d scheduler groups, requests balanced by %s", len(readies),
+                        self.args.load_balance_method)
         tokenizer = None if tokenizer is None else await tokenizer
         grammars = None if tokenizer is None else GrammarCompiler(
             self.args, self.registry, tokenizer, message.limits.vocab_size, message.model_info["eos_token_ids"])
-        self.frontend = Frontend(self._requests.send_pyobj, tokenizer, self.args, message.limits, message.model_dir,
-                                 grammars)
-        self._tasks = [asyncio.create_task(self._receive()), asyncio.create_task(self._watch())]
+        send = self.router.send if self.router is not None else self._requests[0].send_pyobj
+        self.frontend = Frontend(send, tokenizer, self.args, message.limits, message.model_dir, grammars)
+        self._tasks = [asyncio.create_task(self._receive(group)) for group in range(len(self.processes))]
+        self._tasks.append(asyncio.create_task(self._watch()))
         return self.frontend
 
-    async def _next_message(self) -> Any:
-        """The scheduler process's next message while it starts; raises if it exits first."""
-        message = asyncio.ensure_future(self._outputs.recv_pyobj())
+    async def _next_message(self, group: int) -> Any:
+        """A scheduler process's next message while it starts; raises if it exits first."""
+        process = self.processes[group]
+        message = asyncio.ensure_future(self._outputs[group].recv_pyobj())
         while not message.done():
             await asyncio.wait({message}, timeout=0.2)
-            if not message.done() and not self.process.is_alive():
+            if not message.done() and not process.is_alive():
                 message.cancel()
-                raise RuntimeError(f"the scheduler process exited with code {self.process.exitcode} while starting")
+                raise RuntimeError(f"the scheduler process exited with code {process.exitcode} while starting")
         return message.result()
 
-    async def _receive(self) -> None:
+    async def _receive(self, group: int) -> None:
         while True:
-            for out in await self._outputs.recv_pyobj():
+            for out in await self._outputs[group].recv_pyobj():
+                if self.router is not None:
+                    out = self.router.receive(group, out)
+                    if out is None:
+                        continue
                 self.frontend.dispatch(out)
 
     async def _watch(self) -> None:
-        while self.process.is_alive():
+        while all(process.is_alive() for process in self.processes):
             await asyncio.sleep(0.2)
-        reason = f"the scheduler process died (exit code {self.process.exitcode})"
+        dead = next(process for process in self.processes if not process.is_alive())
+        reason = f"the scheduler process died (exit code {dead.exitcode})"
         logger.error(reason)
         self.frontend.fail_all(reason)
         self.on_death(reason)
 
     @property
     def alive(self) -> bool:
-        return self.process.is_alive()
+        return all(process.is_alive() for process in self.processes)
 
     async def shutdown(self) -> None:
         for task in self._tasks:
             task.cancel()
         if self.frontend is not None:
             self.frontend.close()
-        if self.process.is_alive() and self.ready is not None:
-            self._requests.send_pyobj(Shutdown())
-            await asyncio.to_thread(self.process.join, 10)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join()
-        self._requests.close(linger=0)
-        self._outputs.close(linger=0)
-        shutil.rmtree(self._sockets.folder, ignore_errors=True)
+        for process, requests in zip(self.processes, self._requests):
+            if process.is_alive() and self.ready is not None:
+                requests.send_pyobj(Shutdown())
+        for process in self.processes:
+            if process.is_alive() and self.ready is not None:
+                await asyncio.to_thread(process.join, 10)
+            if process.is_alive():
+                process.kill()
+                process.join()
+        for socket in (*self._requests, *self._outputs):
+            socket.close(linger=0)
+        for folder in self._folders:
+            shutil.rmtree(folder, ignore_errors=True)

@@ -11,6 +11,7 @@ import torch
 
 from srv.sdk.attention import AttentionBackend, ForwardBatch, KVCache
 from srv.sdk.native import call_decode_attention
+from srv.sdk.parallel import ParallelContext
 from srv.sdk.testing.registry import create
 
 @dataclass(frozen=True)
@@ -217,6 +218,13 @@ class AttentionBackendKit:
                                      dtype: torch.dtype, kind: str) -> None:
         self.assert_matches_reference(make_case(BATCHES[kind], *heads, head_dim=head_dim, dtype=dtype,
                                                 page_size=page_size, seed=page_size + head_dim))
+
+    @pytest.mark.parametrize("rank", [0, 1])
+    def test_tensor_parallel_head_shares_match_reference(self, rank: int) -> None:
+        """Under --tensor-parallel-size 2 a backend is built with its rank's heads: SmolLM2's 9
+        query heads in 3 key/value groups become 6/2 on rank 0 and 3/1 on rank 1."""
+        share = ParallelContext(rank, 2).partition(3)[1]
+        self.assert_matches_reference(make_case(BATCHES["mixed"], 3 * share, share, head_dim=64, seed=rank))
 
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
     def test_output_shape_and_dtype(self, dtype: torch.dtype) -> None:

@@ -1,0 +1,121 @@
+"""Data parallelism (`--data-parallel-size` N): N scheduler processes, each with the whole model
+and its own KV memory, behind one front end. The router picks a group for each request by
+`--load-balance-method`, and sends the requests that name a session to the group that holds it;
+control calls go to every group, and their replies are merged into one.
+
+    round_robin     groups in turn
+    shortest_queue  the group with the fewest requests in flight
+    minimum_tokens  the group with the fewest tokens in flight (prompts and the tokens still
+                    to generate), which evens out long and short requests
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from srv.engine.io import AbortRequest, ControlRequest, ControlResult, GenerateRequest, RequestOutput
+
+logger = logging.getLogger("srv.data_parallel")
+
+LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "minimum_tokens")
+# Fields of a group's status that are not amounts (an id, a ratio): kept from group 0.
+NOT_SUMMED = {"pid", "spec_accept_length"}
+
+
+@dataclass
+class InFlight:
+    group: int
+    tokens: int
+
+
+class DataParallelRouter:
+    """`send` takes what the front end sends; `receive(group, out)` what a group answers, and
+    returns what the front end should see."""
+
+    def __init__(self, sends: list[Callable[[Any], None]], method: str) -> None:
+        if method not in LOAD_BALANCE_METHODS:
+            raise ValueError(f"--load-balance-method {method}: srv balances by {', '.join(LOAD_BALANCE_METHODS)}")
+        self.sends, self.method = sends, method
+        self.groups = len(sends)
+        self._turn = itertools.cycle(range(self.groups))
+        self._requests: dict[str, InFlight] = {}
+        self._sessions: dict[str, int] = {}
+        self._calls: dict[int, list[ControlResult | None]] = {}
+        # Requests each group has been given since launch (what the tests and logs read).
+        self.assigned = [0] * self.groups
+
+    # ---- what the front end sends -------------------------------------------------------------
+
+    def send(self, message: Any) -> None:
+        if isinstance(message, GenerateRequest):
+            group = self._sessions.get(message.session_id) if message.session_id else None
+            if group is None:
+                group = self._choose()
+                if message.session_id:
+                    self._sessions[message.session_id] = group
+            tokens = len(message.input_ids) + (message.params.max_new_tokens or 0)
+            self._requests[message.rid] = InFlight(group, tokens)
+            self.assigned[group] += 1
+            self.sends[group](message)
+        elif isinstance(message, AbortRequest):
+            owner = self._requests.get(message.rid)
+            for group in [owner.group] if owner is not None else range(self.groups):
+                self.sends[group](message)
+        elif isinstance(message, ControlRequest):
+            self._calls[message.call_id] = [None] * self.groups
+            if message.method == "close_session":
+                self._sessions.pop(message.args.get("session_id"), None)
+            for send in self.sends:
+                send(message)
+        else:
+            for send in self.sends:
+                send(message)
+
+    def _choose(self) -> int:
+        if self.method == "round_robin":
+            return next(self._turn)
+        load = [0] * self.groups
+        for request in self._requests.values():
+            load[request.group] += 1 if self.method == "shortest_queue" else request.tokens
+        return min(range(self.groups), key=lambda g: (load[g], g))
+
+    # ---- what the groups answer ---------------------------------------------------------------
+
+    def receive(self, group: int, out: RequestOutput | ControlResult) -> RequestOutput | ControlResult | None:
+        if isinstance(out, ControlResult):
+            replies = self._calls.get(out.call_id)
+            if replies is None:
+                return out
+            replies[group] = out
+            if any(reply is None for reply in replies):
+                return None
+            del self._calls[out.call_id]
+            return merge_replies(replies)
+        if out.finished:
+            self._requests.pop(out.rid, None)
+        return out
+
+
+def merge_replies(replies: list[ControlResult]) -> ControlResult:
+    """One reply for a control call every group answered: the first refusal, else group 0's
+    value, with the amounts of a status or load summed over the groups (and each group's own
+    under "data_parallel_groups") and a yes/no call true only where every group said yes."""
+    refused = next((reply for reply in replies if reply.error is not None), None)
+    if refused is not None:
+        return refused
+    values = [reply.value for reply in replies]
+    first = values[0]
+    if isinstance(first, bool):
+        value: Any = all(values)
+    elif isinstance(first, dict):
+        value = dict(first)
+        for key, item in first.items():
+            if key not in NOT_SUMMED and isinstance(item, (int, float)) and not isinstance(item, bool):
+                value[key] = sum(v.get(key, 0) for v in values)
+        value["data_parallel_groups"] = values
+    else:
+        value = first
+    return ControlResult(replies[0].call_id, value)

@@ -1,0 +1,118 @@
+"""Data parallelism (`--data-parallel-size`): scheduler groups behind one server, a router that
+spreads requests as each `--load-balance-method` promises, and replies merged over the groups."""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import pytest
+
+from srv.engine.io import AbortRequest, ControlRequest, ControlResult, GenerateRequest, RequestOutput
+from srv.sdk.sampling import SamplingParams
+from srv.server.data_parallel import DataParallelRouter
+from test_server import Server
+
+
+def router(method: str, groups: int = 2) -> tuple[DataParallelRouter, list[list]]:
+    sent: list[list] = [[] for _ in range(groups)]
+    return DataParallelRouter([box.append for box in sent], method), sent
+
+
+def request(rid: str, prompt: int, new: int = 8, session: str | None = None) -> GenerateRequest:
+    return GenerateRequest(rid, list(range(3, 3 + prompt)), SamplingParams(max_new_tokens=new), session_id=session)
+
+
+def test_round_robin_takes_groups_in_turn():
+    r, sent = router("round_robin", 3)
+    for i in range(7):
+        r.send(request(f"r{i}", 4))
+    assert [[m.rid for m in box] for box in sent] == [["r0", "r3", "r6"], ["r1", "r4"], ["r2", "r5"]]
+    assert r.assigned == [3, 2, 2]
+
+
+def test_shortest_queue_counts_requests_in_flight_until_they_finish():
+    r, sent = router("shortest_queue")
+    for i in range(3):
+        r.send(request(f"r{i}", 4))        # groups 0, 1, 0
+    r.receive(0, RequestOutput("r0", [5], finish_reason="length"))
+    r.receive(0, RequestOutput("r2", [5]))   # not finished: still in flight
+    r.send(request("r3", 4))               # group 0 holds one, group 1 one: the lower index
+    r.receive(1, RequestOutput("r1", [], error="bad"))
+    r.send(request("r4", 4))               # group 1 is empty now
+    assert [[m.rid for m in box] for box in sent] == [["r0", "r2", "r3"], ["r1", "r4"]]
+
+
+def test_minimum_tokens_weighs_prompts_and_tokens_to_generate():
+    r, sent = router("minimum_tokens")
+    r.send(request("long", 500, new=100))  # group 0: 600 tokens
+    r.send(request("a", 10, new=10))       # group 1: 20
+    r.send(request("b", 10, new=10))       # group 1: 40
+    r.send(request("c", 300, new=10))      # group 1: 350
+    r.send(request("d", 10, new=10))       # group 1: 370 < 600
+    assert [[m.rid for m in box] for box in sent] == [["long"], ["a", "b", "c", "d"]]
+
+
+def test_sessions_stay_on_their_group_and_aborts_reach_the_owner():
+    r, sent = router("round_robin")
+    r.send(request("s1", 4, session="chat"))
+    r.send(request("x", 4))
+    r.send(request("s2", 4, session="chat"))
+    r.send(AbortRequest("x"))
+    r.send(AbortRequest("unknown"))
+    assert [type(m).__name__ + ":" + m.rid for m in sent[0]] == ["GenerateRequest:s1", "GenerateRequest:s2",
+                                                                   "AbortRequest:unknown"]
+    assert [type(m).__name__ + ":" + m.rid for m in sent[1]] == ["GenerateRequest:x", "AbortRequest:x",
+                                                                   "AbortRequest:unknown"]
+
+
+def test_control_calls_reach_every_group_and_their_replies_merge():
+    r, sent = router("round_robin")
+    r.send(ControlRequest(7, "status"))
+    r.send(ControlRequest(8, "flush_cache"))
+    r.send(ControlRequest(9, "update_weights_from_disk"))
+    assert all(len(box) == 3 for box in sent)
+    assert r.receive(0, ControlResult(7, {"pid": 11, "running_requests": 2, "spec_accept_length": 1.5})) is None
+    merged = r.receive(1, ControlResult(7, {"pid": 12, "running_requests": 3, "spec_accept_length": 2.0}))
+    assert merged.call_id == 7 and merged.value["pid"] == 11 and merged.value["running_requests"] == 5
+    assert merged.value["spec_accept_length"] == 1.5 and len(merged.value["data_parallel_groups"]) == 2
+    r.receive(1, ControlResult(8, False))
+    assert r.receive(0, ControlResult(8, True)).value is False
+    r.receive(0, ControlResult(9, None, error="busy"))
+    assert r.receive(1, ControlResult(9, True)).error == "busy"
+
+
+def test_unknown_method_is_refused():
+    with pytest.raises(ValueError, match="round_robin, shortest_queue, minimum_tokens"):
+        DataParallelRouter([print], "follow_bootstrap_room")
+
+
+def test_dp2_server_gives_each_request_its_output_alone_and_spreads_them_round_robin():
+    server = Server("--dp-size", "2", "--skip-server-warmup", "--max-total-tokens", "4096")
+    try:
+        prompts = ["The capital of France is", "One, two, three, four,", "def add(a, b):", "Water boils at"]
+
+        def complete(prompt: str) -> str:
+            reply = httpx.post(f"{server.base}/v1/completions", timeout=120,
+                               json={"prompt": prompt, "max_tokens": 12, "temperature": 0})
+            assert reply.status_code == 200
+            return reply.json()["choices"][0]["text"]
+
+        alone = [complete(p) for p in prompts]           # requests 0..3: groups 0, 1, 0, 1
+        together: dict[int, str] = {}
+        threads = [threading.Thread(target=lambda i=i: together.__setitem__(i, complete(prompts[i])))
+                   for i in range(len(prompts))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        assert [together[i] for i in range(len(prompts))] == alone
+        status = server.scheduler_status()
+        groups = status["data_parallel_groups"]
+        assert len(groups) == 2 and groups[0]["pid"] != groups[1]["pid"]
+        # Round robin: each group computed four of the eight requests, two of them alone.
+        assert all(g["prompt_tokens"] > 0 and g["generated_tokens"] > 0 for g in groups)
+        assert status["prompt_tokens"] == sum(g["prompt_tokens"] for g in groups)
+        assert status["generated_tokens"] == sum(g["generated_tokens"] for g in groups)
+    finally:
+        assert server.stop() == 0
