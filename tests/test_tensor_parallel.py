@@ -125,7 +125,8 @@ def test_default_model_tp2_uneven_heads_matches_hf(default_model_dir):
 @pytest.mark.parametrize("flags, message", [
     (["--tp-size", "2", "--lora-paths", "a=/nowhere"], "--enable-lora with --tensor-parallel-size > 1"),
     (["--tp-size", "2", "--speculative-algorithm", "NGRAM"], "--speculative-algorithm with --tensor-parallel-size"),
-    (["--tp-size", "3", "--nnodes", "2", "--dist-init-addr", "127.0.0.1:1"], "does not split over --nnodes 2"),
+    (["--tp-size", "3", "--nnodes", "2", "--dist-init-addr", "127.0.0.1:1"], "ranks do not split over --nnodes 2"),
+    (["--pp-size", "2", "--enable-hierarchical-cache"], "--enable-hierarchical-cache with --pipeline-parallel-size"),
     (["--tp-size", "2", "--nnodes", "2"], "needs --dist-init-addr"),
     (["--node-rank", "1"], "--node-rank 1 is not one of the 1 nodes"),
     (["--tp-size", "2", "--quantization", "gguf"], "quantization gguf does not split"),
@@ -197,3 +198,24 @@ def test_two_nodes_on_loopback_serve_as_one_and_a_dead_node_ends_the_other():
         for process in (other, getattr(locals().get("node0"), "process", None)):
             if process is not None and process.poll() is None:
                 process.kill()
+
+
+@pytest.mark.parametrize("kind, layout", [("llama", (1, 2)), ("qwen3", (1, 2)), ("llama", (2, 2))],
+                         ids=["llama-pp2", "qwen3-pp2-tied-head", "llama-tp2-pp2"])
+def test_pipeline_stages_greedy_tokens_match_hf(tiny_models, kind, layout):
+    # 3 layers on two stages: 2 + 1. tp=2 x pp=2 is four processes of one thread on two cores.
+    tp, pp = layout
+    prompts = random_prompts(3)
+    with srv.Engine(model_path=str(tiny_models[kind]), dtype="float32", tp_size=tp, pp_size=pp,
+                    chunked_prefill_size=16) as engine:
+        assert engine.runner.kv_layers == 2 and engine.runner.parallel.layer_range(3) == (0, 2)
+        results = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+        assert_matches_hf(engine, tiny_models[kind], prompts, results)
+        assert_all_kv_returned(engine)
+
+
+def test_pipeline_stage_logits_within_float32_tolerance_of_one_process(tiny_models):
+    prompt = random_prompts(1)[0] + random_prompts(2, seed=1)[1]
+    one = prompt_logits(tiny_models["qwen3"], 1, prompt)
+    staged = prompt_logits(tiny_models["qwen3"], 1, prompt, "--pp-size", "2")
+    assert (staged - one).abs().max() <= LOGITS_RTOL * one.abs().max()

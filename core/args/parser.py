@@ -186,12 +186,13 @@ def check_launch_args(args: argparse.Namespace, parser: LaunchArgumentParser) ->
 
 def parallel_refusals(args: argparse.Namespace) -> list[str]:
     """What srv cannot honour of the parallel and multi-node flags."""
-    tp, nnodes = args.tensor_parallel_size, args.nnodes
+    tp, pp, nnodes = args.tensor_parallel_size, args.pipeline_parallel_size, args.nnodes
     refused = []
-    if tp < 1 or nnodes < 1:
-        refused.append("--tensor-parallel-size and --nnodes must be at least 1")
-    elif tp % nnodes:
-        refused.append(f"--tensor-parallel-size {tp} does not split over --nnodes {nnodes}")
+    if tp < 1 or pp < 1 or nnodes < 1:
+        refused.append("--tensor-parallel-size, --pipeline-parallel-size and --nnodes must be at least 1")
+    elif (tp * pp) % nnodes:
+        refused.append(f"--tensor-parallel-size {tp} x --pipeline-parallel-size {pp} ranks do not split over "
+                       f"--nnodes {nnodes}")
     if not 0 <= args.node_rank < max(nnodes, 1):
         refused.append(f"--node-rank {args.node_rank} is not one of the {nnodes} nodes")
     if args.data_parallel_size < 1:
@@ -204,13 +205,14 @@ def parallel_refusals(args: argparse.Namespace) -> list[str]:
                        "on a port of its own")
     if nnodes > 1 and not args.dist_init_addr:
         refused.append("--nnodes > 1 needs --dist-init-addr HOST:PORT, where node 0's rank 0 forms the group")
-    if tp > 1:
+    if tp * pp > 1:
         # These read or change one rank's model or KV pool; the others would not follow.
+        layout = "--tensor-parallel-size > 1" if tp > 1 else "--pipeline-parallel-size > 1"
         for flag, value in (("--speculative-algorithm", args.speculative_algorithm),
                             ("--enable-lora", args.enable_lora or args.lora_paths),
                             ("--enable-hierarchical-cache", args.enable_hierarchical_cache)):
             if value:
-                refused.append(f"{flag} with --tensor-parallel-size > 1 is not supported yet")
+                refused.append(f"{flag} with {layout} is not supported yet")
     return refused
 
 

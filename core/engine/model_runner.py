@@ -95,7 +95,7 @@ class ModelRunner:
         Under --tensor-parallel-size N > 1 this runner is rank 0, which starts the other ranks
         (srv.engine.tensor_parallel), unless `tensor_parallel` names the group of another rank."""
         self.args, self.registry = args, registry
-        if args.tensor_parallel_size > 1 and tensor_parallel is None:
+        if args.tensor_parallel_size * args.pipeline_parallel_size > 1 and tensor_parallel is None:
             from srv.engine.tensor_parallel import join_as_rank_zero
 
             tensor_parallel = join_as_rank_zero(args)
@@ -124,9 +124,9 @@ class ModelRunner:
         if method is not None:
             method.check(str(path))
         impl = self._choose_impl()
-        if self.parallel.is_parallel and not impl.tensor_parallel:
+        if (self.parallel.is_parallel or self.parallel.is_pipelined) and not impl.tensor_parallel:
             raise BackendUnavailable(f"--model-impl {type(impl).__name__} does not split models across ranks: "
-                                     "--tensor-parallel-size must be 1")
+                                     "--tensor-parallel-size and --pipeline-parallel-size must be 1")
         impl.parallel = self.parallel
         # An embedding server pools each prompt's final hidden states instead of generating.
         self.is_embedding = bool(args.is_embedding) or not impl.is_generation(self.config)
@@ -156,6 +156,8 @@ class ModelRunner:
         # Attention shapes from the config, whichever --model-impl built the model: this rank's
         # heads, split by key/value head group as srv.sdk.layers.QKVParallelLinear splits them.
         self.num_layers = self.config.num_hidden_layers
+        start, end = self.parallel.layer_range(self.num_layers)
+        self.kv_layers = end - start   # this pipeline stage's: its KV pool holds those
         total_heads = self.config.num_attention_heads
         total_kv_heads = getattr(self.config, "num_key_value_heads", None) or total_heads
         self.head_dim = getattr(self.config, "head_dim", None) or self.config.hidden_size // total_heads
@@ -280,7 +282,7 @@ class ModelRunner:
 
     def kv_bytes_per_token(self) -> int:
         storage = self.kv_cache_dtype.storage_dtype(self.dtype)
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.finfo(storage).bits // 8
+        return 2 * self.kv_layers * self.num_kv_heads * self.head_dim * torch.finfo(storage).bits // 8
 
     def kv_capacity_tokens(self) -> int:
         if self.args.max_total_tokens:
@@ -294,7 +296,7 @@ class ModelRunner:
             # The slots still bound how many tokens run at once; no memory backs them.
             logger.info("KV cache: none (an encoder keeps no keys and values); %d tokens at once", num_slots)
             return
-        self.kv_cache = self.kv_cache_dtype.create(num_slots, self.num_layers, self.num_kv_heads, self.head_dim,
+        self.kv_cache = self.kv_cache_dtype.create(num_slots, self.kv_layers, self.num_kv_heads, self.head_dim,
                                                    self.dtype)
         logger.info("KV cache: %d slots in %s, %.1f MiB", num_slots, str(self.kv_cache.dtype).removeprefix("torch."),
                     num_slots * self.kv_bytes_per_token() / 2**20)
@@ -339,12 +341,16 @@ class ModelRunner:
         try:
             self._broadcast("forward", **payload)
             out = self.model(batch)
+            if self.parallel.is_pipelined:
+                rows = len(batch.extend_lens) if batch.logits_indices is None else len(batch.logits_indices)
+                logits = self.parallel.logits_to_rank_zero(out.logits, (rows, self.config.vocab_size))
+                out = ModelOutput(logits, out.hidden_states)
         except RuntimeError as exc:
             if "gloo" in str(exc).lower() or "connection" in str(exc).lower() or "timed out" in str(exc).lower():
                 logger.error("tensor-parallel rank %d: a collective failed (%s); exiting", self.parallel.tp_rank, exc)
                 os._exit(1)
             raise
-        return self._checked_output(out, batch)
+        return self._checked_output(out, batch) if self.parallel.rank == 0 else out
 
     def _checked_output(self, out: Any, batch: ForwardBatch) -> ModelOutput:
         extend_lens, logits_indices, capture_layers = batch.extend_lens, batch.logits_indices, batch.capture_layers
@@ -388,8 +394,8 @@ class ModelRunner:
         self.model = None
 
     def _refuse_in_group(self, what: str) -> None:
-        if self.parallel.is_parallel:
-            raise ValueError(f"{what}: not supported with --tensor-parallel-size > 1 yet")
+        if self.tensor_parallel is not None:
+            raise ValueError(f"{what}: not supported with --tensor-parallel-size or --pipeline-parallel-size > 1 yet")
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks (rank 0)."""

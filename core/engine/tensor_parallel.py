@@ -39,9 +39,14 @@ logger = logging.getLogger("srv.tensor_parallel")
 IDLE_TIMEOUT = timedelta(days=365)
 
 
+def world_size(args: Namespace) -> int:
+    """Ranks in the group: tensor-parallel ranks in each of the pipeline stages."""
+    return args.tensor_parallel_size * args.pipeline_parallel_size
+
+
 def local_ranks(args: Namespace) -> range:
-    """The tensor-parallel ranks `args.node_rank` runs."""
-    per_node = args.tensor_parallel_size // args.nnodes
+    """The ranks `args.node_rank` runs."""
+    per_node = world_size(args) // args.nnodes
     return range(args.node_rank * per_node, (args.node_rank + 1) * per_node)
 
 
@@ -60,25 +65,36 @@ class TensorParallelGroup:
     def __init__(self, args: Namespace, rank: int, address: str) -> None:
         import torch.distributed as dist
 
-        size = args.tensor_parallel_size
+        tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
+        size = tp * pp
+        stage, tp_rank = divmod(rank, tp)
         timeout = timedelta(seconds=args.dist_timeout) if args.dist_timeout else timedelta(minutes=10)
-        logger.info("tensor-parallel rank %d of %d: joining the group at %s", rank, size, address)
-        # Ranks on one machine meet in shared memory, set up by rank 0 before the group forms.
+        logger.info("rank %d of %d (pipeline stage %d, tensor-parallel rank %d): joining the group at %s", rank, size,
+                    stage, tp_rank, address)
+        # Ranks on one machine meet in shared memory, set up by rank 0 before the group forms:
+        # one segment for the commands, one for each stage's all-reduces.
         shared = args.nnodes == 1 and not args.disable_custom_all_reduce
         name = address.replace(":", "-")
+        segments = [(f"{name}-commands", size)] + [(f"{name}-stage{s}", tp) for s in range(pp) if tp > 1]
         if shared and rank == 0:
-            create_segment(name, size)
+            for segment, ranks in segments:
+                create_segment(segment, ranks)
         dist.init_process_group("gloo", init_method=f"tcp://{address}", rank=rank, world_size=size, timeout=timeout)
         self.rank, self.size = rank, size
-        self.local = SharedMemoryCollectives(name, rank, size, timeout.total_seconds()) if shared else None
-        self.context = ParallelContext(rank, size, dist.group.WORLD, local=self.local)
+        # Every rank makes every stage's group, in the same order (torch.distributed's rule).
+        stages = [dist.new_group(list(range(s * tp, (s + 1) * tp))) for s in range(pp)] if pp > 1 else [dist.group.WORLD]
+        seconds = timeout.total_seconds()
+        self.channel = SharedMemoryCollectives(f"{name}-commands", rank, size, seconds) if shared else None
+        self.local = SharedMemoryCollectives(f"{name}-stage{stage}", tp_rank, tp, seconds) if shared and tp > 1 else None
+        self.context = ParallelContext(tp_rank, tp, stages[stage], local=self.local, pp_rank=stage, pp_size=pp)
         # Commands travel on a group of their own, whose waits never time out: an idle server
         # leaves the other ranks waiting for the next batch.
         self.commands = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
         if shared:
-            dist.barrier()   # every rank has mapped the segment
+            dist.barrier()   # every rank has mapped the segments
             if rank == 0:
-                SharedMemoryCollectives.unlink(name)
+                for segment, _ in segments:
+                    SharedMemoryCollectives.unlink(segment)
         self.children: list[subprocess.Popen] = []
         self.closing = False
 
@@ -87,8 +103,8 @@ class TensorParallelGroup:
         import torch.distributed as dist
 
         started = time.perf_counter()
-        if self.local is not None:
-            self.local.send((name, payload))
+        if self.channel is not None:
+            self.channel.send((name, payload))
         else:
             dist.broadcast_object_list([(name, payload)], src=0, group=self.commands)
         self.context.collective_seconds += time.perf_counter() - started
@@ -96,8 +112,8 @@ class TensorParallelGroup:
     def receive(self) -> tuple[str, dict[str, Any]]:
         import torch.distributed as dist
 
-        if self.local is not None:
-            return self.local.receive()
+        if self.channel is not None:
+            return self.channel.receive()
         message: list[Any] = [None]
         dist.broadcast_object_list(message, src=0, group=self.commands)
         return message[0]

@@ -141,8 +141,12 @@ class ModelImpl(ABC):
     in each of N processes, and the model builds this rank's share of every layer
     (srv.sdk.layers), its attention with this rank's heads (`num_heads` and `num_kv_heads` of
     each layer's attention module, which srv reads for the attention backend and KV pool), and
-    returns the whole vocabulary's logits on rank 0. An implementation that does this says so
-    with `tensor_parallel = True`; srv refuses N > 1 for the others.
+    returns the whole vocabulary's logits on rank 0. Under `--pipeline-parallel-size` P > 1
+    each stage builds the layers of `parallel.layer_range`, the first stage the embeddings, the
+    last the head: a stage other than the first takes its input from
+    `parallel.receive_from_previous_stage`, one other than the last hands its output on with
+    `send_to_next_stage` and returns `ModelOutput(None)`. An implementation that does this says
+    so with `tensor_parallel = True`; srv refuses N > 1 and P > 1 for the others.
     """
 
     tensor_parallel = False

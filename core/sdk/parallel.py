@@ -25,7 +25,12 @@ import torch
 class ParallelContext:
     tp_rank: int = 0
     tp_size: int = 1
-    group: Any = None   # the tensor-parallel ranks' torch.distributed ProcessGroup (None at tp=1)
+    group: Any = None   # this stage's tensor-parallel ranks' torch.distributed ProcessGroup (None at tp=1)
+    # Pipeline parallelism (--pipeline-parallel-size): this process's stage, of how many. A stage
+    # holds a range of the layers (`layer_range`); each stage has tp_size ranks, and the rank of
+    # stage p and tensor-parallel rank t is p * tp_size + t in the whole group.
+    pp_rank: int = 0
+    pp_size: int = 1
     # Seconds this process has spent in the collectives below (what benchmarks report as their share).
     collective_seconds: float = 0.0
     # A faster path for ranks that share a machine (shared memory), used instead of the group's
@@ -35,7 +40,68 @@ class ParallelContext:
 
     @property
     def is_parallel(self) -> bool:
+        """Whether layers are split across tensor-parallel ranks (and need their collectives)."""
         return self.tp_size > 1
+
+    @property
+    def is_pipelined(self) -> bool:
+        return self.pp_size > 1
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in the whole group (0 schedules and samples)."""
+        return self.pp_rank * self.tp_size + self.tp_rank
+
+    def layer_range(self, num_layers: int) -> tuple[int, int]:
+        """[start, end) of the layers this stage holds: the first stages one more where the
+        count does not divide."""
+        starts = partition_starts(num_layers, self.pp_size, 1, "pipeline stages")
+        return starts[self.pp_rank], starts[self.pp_rank + 1]
+
+    def logits_to_rank_zero(self, logits: torch.Tensor | None, shape: tuple[int, ...]) -> torch.Tensor | None:
+        """Pipeline parallelism: the logits the last stage computed (on its tensor-parallel rank
+        0), on rank 0, which samples; other ranks get None. `shape` is theirs."""
+        if not self.is_pipelined:
+            return logits
+        import torch.distributed as dist
+
+        last = (self.pp_size - 1) * self.tp_size
+        started = time.perf_counter()
+        if self.rank == last:
+            dist.send(logits.contiguous(), 0)
+        elif self.rank == 0:
+            logits = torch.empty(shape)
+            dist.recv(logits, last)
+        self.collective_seconds += time.perf_counter() - started
+        return logits if self.rank == 0 else None
+
+    def send_to_next_stage(self, *tensors: torch.Tensor) -> None:
+        """A stage's output rows (the hidden states and the residual stream) to the same
+        tensor-parallel rank of the next stage, point to point."""
+        import torch.distributed as dist
+
+        started = time.perf_counter()
+        for tensor in tensors:
+            dist.send(tensor.contiguous(), self.rank + self.tp_size)
+        self.collective_seconds += time.perf_counter() - started
+
+    def receive_from_previous_stage(self, count: int, shape: tuple[int, ...], dtype: torch.dtype) -> list[torch.Tensor]:
+        import torch.distributed as dist
+
+        started = time.perf_counter()
+        tensors = [torch.empty(shape, dtype=dtype) for _ in range(count)]
+        for tensor in tensors:
+            dist.recv(tensor, self.rank - self.tp_size)
+        self.collective_seconds += time.perf_counter() - started
+        return tensors
 
     def partition(self, total: int, unit: int = 1) -> tuple[int, int]:
         """(start, size) of this rank's share of `total` items cut in units of `unit`."""
@@ -44,16 +110,7 @@ class ParallelContext:
 
     def partition_starts(self, total: int, unit: int = 1) -> list[int]:
         """Every rank's start, and `total` last: rank r holds [starts[r], starts[r + 1])."""
-        if total % unit:
-            raise ValueError(f"{total} items do not cut into units of {unit}")
-        units = total // unit
-        if units < self.tp_size:
-            raise ValueError(f"{units} units of {unit} cannot be shared by {self.tp_size} tensor-parallel ranks")
-        base, extra = divmod(units, self.tp_size)
-        starts = [0]
-        for rank in range(self.tp_size):
-            starts.append(starts[-1] + (base + (rank < extra)) * unit)
-        return starts
+        return partition_starts(total, self.tp_size, unit, "tensor-parallel ranks")
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's x (the partial products of a row-parallel layer). Summed in
@@ -93,3 +150,18 @@ class ParallelContext:
         if self.tp_rank != 0:
             return x
         return torch.cat([part[..., :b - a] for part, a, b in zip(parts, starts, starts[1:])], dim=-1)
+
+
+def partition_starts(total: int, parts: int, unit: int = 1, what: str = "parts") -> list[int]:
+    """Where each of `parts` shares of `total` items cut in units of `unit` starts, and `total`
+    last; the first shares take one unit more where the count does not divide."""
+    if total % unit:
+        raise ValueError(f"{total} items do not cut into units of {unit}")
+    units = total // unit
+    if units < parts:
+        raise ValueError(f"{units} units of {unit} cannot be shared by {parts} {what}")
+    base, extra = divmod(units, parts)
+    starts = [0]
+    for part in range(parts):
+        starts.append(starts[-1] + (base + (part < extra)) * unit)
+    return starts

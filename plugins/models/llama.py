@@ -128,7 +128,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
 
 
 class Attention(nn.Module):
-    """This rank's heads: key/value head groups are split across tensor-parallel ranks."""
+    """This rank's heads: key/value head groups are split across tensor-parallel ranks.
+    `layer_id` is the layer's place in its pipeline stage, which is where its KV lives."""
 
     def __init__(self, config: Any, layer_id: int, parallel: ParallelContext) -> None:
         super().__init__()
@@ -215,8 +216,14 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.parallel = parallel = parallel or ParallelContext()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, parallel)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, parallel) for i in range(config.num_hidden_layers))
+        # A pipeline stage builds its own layers (the others are placeholders, so that parameter
+        # names keep the checkpoint's layer numbers); the first has the embeddings, the last the
+        # final norm and the head.
+        self.start, self.end = parallel.layer_range(config.num_hidden_layers)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, parallel) \
+            if parallel.is_first_stage else None
+        self.layers = nn.ModuleList(DecoderLayer(config, i - self.start, parallel) if self.start <= i < self.end
+                                    else nn.Identity() for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, norm_eps(config))
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         # A tied head gets its own Parameter over the embedding matrix when the weights load: no
@@ -225,10 +232,12 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, parallel)
         # Kept here: a module that serves the head's weights (a packed layer) takes its place.
         self.vocab_starts = self.lm_head.vocab_starts
-        attention = self.layers[0].self_attn
+        if not parallel.is_last_stage:
+            self.norm = self.lm_head = None
+        attention = self.layers[self.start].self_attn
         self.rotary = RotaryEmbedding(attention.head_dim, *rope_settings(config))
         self.shapes = LayerShapes(config.hidden_size, attention.num_heads, attention.num_kv_heads, attention.head_dim,
-                                  self.layers[0].mlp.intermediate_size, norm_eps(config))
+                                  self.layers[self.start].mlp.intermediate_size, norm_eps(config))
         # Per batch size: the layers as srv_decode_layers runs them, or None where one lacks a kernel.
         # They hold the addresses of the weights, which must not be replaced after the first decode
         # step (srv never does; the loader and the quantization run before it).
@@ -237,20 +246,30 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> ModelOutput:
-        x = self.embed_tokens(batch.input_ids)
+        parallel = self.parallel
+        if batch.capture_layers and parallel.is_pipelined:
+            raise ValueError("hidden states are not returned under pipeline parallelism yet")
+        if parallel.is_first_stage:
+            x, residual = self.embed_tokens(batch.input_ids), None
+        else:   # the previous stage's last layer output and residual stream
+            x, residual = parallel.receive_from_previous_stage(2, (batch.input_ids.shape[0], self.config.hidden_size),
+                                                               self.norm.weight.dtype if self.norm is not None
+                                                               else self.layers[self.start].input_layernorm.weight.dtype)
         rotary = self.rotary(batch.positions)
         batch.attention.prepare(batch)
         native = None if batch.capture_layers else self._decode_natively(x, rotary, batch)
         captured: dict[int, torch.Tensor] = {}
         if native is None:
-            residual = None
-            for i, layer in enumerate(self.layers):
+            for i in range(self.start, self.end):
                 if i in batch.capture_layers:   # the residual stream entering layer i (a copy: the
                     # layers add into the residual in place, and layer 0's residual is x)
                     captured[i] = (x.clone() if residual is None else x + residual).float()
-                x, residual = layer(x, residual, rotary, batch)
+                x, residual = self.layers[i](x, residual, rotary, batch)
         else:
             x, residual = native
+        if not parallel.is_last_stage:
+            parallel.send_to_next_stage(x, residual)
+            return ModelOutput(None)   # the last stage computes the logits
         norm = self.norm if x.dtype == self.norm.weight.dtype else self._float32_copy(self.norm)
         if len(self.layers) in batch.capture_layers:
             # The norm may add into the residual it is given: a copy keeps the stream for the head.
@@ -278,7 +297,7 @@ class LlamaForCausalLM(nn.Module):
         rows = x.shape[0]
         if not batch.is_decode or (x.dtype != torch.float32 and rows >= FLOAT32_DECODE_ROWS):
             return None
-        if self.parallel.is_parallel:   # the C layers have no collectives
+        if self.parallel.is_parallel or self.parallel.is_pipelined:   # the C layers have no collectives
             return None
         if rows not in self.native_layers:
             self.native_layers[rows] = self._native_layers(rows)
@@ -325,6 +344,9 @@ class LlamaForCausalLM(nn.Module):
             name = checkpoint_key(name.removeprefix("model."))
             if "rotary_emb" in name or (name == "lm_head.weight" and self.tie_word_embeddings):
                 continue
+            if self._other_stage(name) and not (name == "embed_tokens.weight" and self.tie_word_embeddings
+                                                and self.lm_head is not None):
+                continue   # another pipeline stage's (a tied head's last stage takes the embeddings)
             module_path, _, leaf = name.rpartition(".")
             parent, _, proj = module_path.rpartition(".")
             if proj in self.FUSED:
@@ -335,21 +357,32 @@ class LlamaForCausalLM(nn.Module):
                 loaded.add(f"{parent}.{fused}.{leaf}")
                 continue
             # This rank's rows or columns of the tensor (all of it at tp=1).
-            sharding = getattr(self.get_submodule(module_path), "sharding", None)
+            # (A tied head on a stage without the embeddings takes them in the head's rows.)
+            module = self.get_submodule(module_path) if name in params else self.lm_head
+            sharding = getattr(module, "sharding", None)
             if sharding is not None:
                 tensor = sharding.cut(tensor)
-            if hasattr(params[name], "weight_loader"):
+            if name in params and hasattr(params[name], "weight_loader"):
                 load_weight(name, params[name], params[name].data, tensor)
                 loaded.add(name)
             else:
-                adopt(name, params[name], tensor)
-                loaded.add(name)
-                if name == "embed_tokens.weight" and self.tie_word_embeddings:
+                if name in params:
+                    adopt(name, params[name], tensor)
+                    loaded.add(name)
+                if name == "embed_tokens.weight" and self.tie_word_embeddings and self.lm_head is not None:
                     adopt(name, params["lm_head.weight"], tensor)
                     loaded.add("lm_head.weight")
         missing = set(params) - loaded
         if missing:
             raise ValueError(f"checkpoint is missing weights: {sorted(missing)[:8]}")
+
+    def _other_stage(self, name: str) -> bool:
+        """Whether checkpoint weight `name` belongs to another pipeline stage."""
+        head, _, rest = name.partition(".")
+        if head == "layers":
+            return not self.start <= int(rest.split(".", 1)[0]) < self.end
+        return (head == "embed_tokens" and self.embed_tokens is None) or (head in ("norm", "lm_head")
+                                                                         and self.lm_head is None)
 
     def _fused_shard(self, target: torch.Tensor, fused: str, shard: int, parent: str) -> torch.Tensor:
         if fused == "gate_up_proj":
