@@ -20,9 +20,10 @@ W3, W1 and the 64-stream point run again on srv with `--quantization w8a8_int8` 
 and the 64-stream point on srv's dense float32 (`--quantization none --dtype float32`,
 `-float32`): the rows that compare int8 compute with float32 and with the peers.
 
-W3 and W1 run again on srv split two ways: `--tp-size 2` (two ranks of one torch thread) and
-`--dp-size 2` (two scheduler groups of one thread), against srv's default (one process of two
-threads) in the same repetition: `-tp2` and `-dp2`.
+W3 and W1 run again on srv split three ways: `--tp-size 2` (two ranks of one torch thread),
+`--pp-size 2` (two pipeline stages of one thread) and `--dp-size 2` (two scheduler groups of one
+thread), against srv's default (one process of two threads) in the same repetition: `-tp2`,
+`-pp2` and `-dp2`.
 
 W6 does not fit the KV pool: 8 distinct 1,024-token system prompts cycled by 16 clients, on srv
 launched with a pool of about two requests' context (`--max-total-tokens`), without and with
@@ -109,8 +110,10 @@ W6_HICACHE_FLAGS = (*W6_FLAGS, "--enable-hierarchical-cache", "--hicache-ratio",
 
 
 TP2_FLAGS = ("--tp-size", "2")
+PP2_FLAGS = ("--pp-size", "2")
 DP2_FLAGS = ("--dp-size", "2")
 W3_TP2, W1_TP2 = (f"{w}-tp2" for w in (W3, W1))
+W3_PP2, W1_PP2 = (f"{w}-pp2" for w in (W3, W1))
 W3_DP2, W1_DP2 = (f"{w}-dp2" for w in (W3, W1))
 
 
@@ -121,7 +124,7 @@ PROBE = Workload("probe", W1_CONCURRENCY, W1_CONCURRENCY)
 def workloads(quick: bool) -> list[Workload]:
     """The sweep in increasing concurrency, the shared-prefix workload (burst, then steady), W1
     beside a hog, W5; then W3 and W5 again for srv with NGRAM, the int8 and float32 points, W6, and W3
-    and W1 split two ways."""
+    and W1 split three ways."""
     sweep = [Workload(sweep_name(c), c, num_prompts(c, quick)) for c in SWEEP]
     burst = Workload(W2, W2_CONCURRENCY, num_prompts(W2_CONCURRENCY, quick), shared_prefix_len=SHARED_PREFIX_LEN)
     steady = Workload(W2_STEADY, W2_CONCURRENCY, W2_CONCURRENCY * (1 if quick else STEADY_REQUESTS_PER_CLIENT),
@@ -141,5 +144,6 @@ def workloads(quick: bool) -> list[Workload]:
                     for name, flags in ((W6, W6_FLAGS), (W6_HICACHE, W6_HICACHE_FLAGS))]
     parallel = [Workload(name, c, num_prompts(c, quick), srv_flags=flags)
                 for name, c, flags in ((W3_TP2, 1, TP2_FLAGS), (W1_TP2, W1_CONCURRENCY, TP2_FLAGS),
+                                       (W3_PP2, 1, PP2_FLAGS), (W1_PP2, W1_CONCURRENCY, PP2_FLAGS),
                                        (W3_DP2, 1, DP2_FLAGS), (W1_DP2, W1_CONCURRENCY, DP2_FLAGS))]
     return sweep + [burst, steady, hog, repeat] + speculative + int8 + float32 + hierarchical + parallel

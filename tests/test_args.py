@@ -193,7 +193,6 @@ EXPECTED_NOT_SUPPORTED_YET = {
     "--enable-fp32-lm-head",
     "--hybrid-kvcache-ratio", "--swa-full-tokens-ratio",
     "--disable-hybrid-swa-memory", "--elastic-ep-backend", "--mooncake-ib-device",
-    "--pp-max-micro-batch-size",
     "--base-gpu-id",
     "--gpu-id-step", "--sleep-on-idle", "--mm-process-config", 
     

@@ -71,14 +71,14 @@ def test_workloads_reuse_the_sweep_for_w1_and_w3():
     names = [w.name for w in workloads(quick=False)]
     assert names == ["c1", "c4", "c16", "c64", "prefix16", "prefix16-steady", "c16-hog", "repeat", "c1-ngram",
                      "repeat-ngram", "c1-int8", "c16-int8", "c64-int8", "c16-float32", "c64-float32",
-                     "prefixes8", "prefixes8-hicache", "c1-tp2", "c16-tp2", "c1-dp2", "c16-dp2"]
+                     "prefixes8", "prefixes8-hicache", "c1-tp2", "c16-tp2", "c1-pp2", "c16-pp2", "c1-dp2", "c16-dp2"]
     assert W1 == "c16" and W3 == "c1" and W2 == "prefix16"
     assert [num_prompts(c, False) for c in (1, 4, 16, 64)] == [4, 8, 16, 64]
     assert [num_prompts(c, True) for c in (1, 4, 16, 64)] == [2, 4, 16, 64]
     everything = workloads(quick=False)
-    everything, parallel = everything[:-4], everything[-4:]
-    assert [(w.concurrency, w.srv_flags) for w in parallel] == [(1, ("--tp-size", "2")), (16, ("--tp-size", "2")),
-                                                               (1, ("--dp-size", "2")), (16, ("--dp-size", "2"))]
+    everything, parallel = everything[:-6], everything[-6:]
+    assert [(w.concurrency, w.srv_flags) for w in parallel] == [
+        (c, (flag, "2")) for flag in ("--tp-size", "--pp-size", "--dp-size") for c in (1, 16)]
     burst, steady, hog, repeat, w3_ngram, repeat_ngram = everything[-13:-7]
     assert repeat.endpoint == repeat_ngram.endpoint == "chat" and repeat.instruction == repeat_ngram.instruction
     assert w3_ngram.speculative and repeat_ngram.speculative and not repeat.speculative

@@ -200,14 +200,16 @@ def test_two_nodes_on_loopback_serve_as_one_and_a_dead_node_ends_the_other():
                 process.kill()
 
 
-@pytest.mark.parametrize("kind, layout", [("llama", (1, 2)), ("qwen3", (1, 2)), ("llama", (2, 2))],
-                         ids=["llama-pp2", "qwen3-pp2-tied-head", "llama-tp2-pp2"])
-def test_pipeline_stages_greedy_tokens_match_hf(tiny_models, kind, layout):
-    # 3 layers on two stages: 2 + 1. tp=2 x pp=2 is four processes of one thread on two cores.
+@pytest.mark.parametrize("kind, layout, micro", [("llama", (1, 2), None), ("qwen3", (1, 2), None),
+                                                ("llama", (1, 2), 1), ("llama", (2, 2), None)],
+                         ids=["llama-pp2", "qwen3-pp2-tied-head", "llama-pp2-micro1", "llama-tp2-pp2"])
+def test_pipeline_stages_greedy_tokens_match_hf(tiny_models, kind, layout, micro):
+    # 3 layers on two stages: 2 + 1. Batches of 3 requests go as micro-batches of 2 and 1 (of 1
+    # each with --pp-max-micro-batch-size 1). tp=2 x pp=2 is four processes of one thread.
     tp, pp = layout
     prompts = random_prompts(3)
     with srv.Engine(model_path=str(tiny_models[kind]), dtype="float32", tp_size=tp, pp_size=pp,
-                    chunked_prefill_size=16) as engine:
+                    pp_max_micro_batch_size=micro, chunked_prefill_size=16) as engine:
         assert engine.runner.kv_layers == 2 and engine.runner.parallel.layer_range(3) == (0, 2)
         results = engine.generate(input_ids=prompts, sampling_params=GREEDY)
         assert_matches_hf(engine, tiny_models[kind], prompts, results)
@@ -219,3 +221,19 @@ def test_pipeline_stage_logits_within_float32_tolerance_of_one_process(tiny_mode
     one = prompt_logits(tiny_models["qwen3"], 1, prompt)
     staged = prompt_logits(tiny_models["qwen3"], 1, prompt, "--pp-size", "2")
     assert (staged - one).abs().max() <= LOGITS_RTOL * one.abs().max()
+
+
+def test_micro_batches_keep_each_requests_tokens_and_the_logits_rows_in_order():
+    from srv.sdk.attention import ForwardBatch
+
+    extend = [3, 1, 2]
+    batch = ForwardBatch(input_ids=torch.arange(6), positions=torch.arange(6), out_cache_loc=torch.arange(1, 7),
+                         kv_slots=torch.arange(30).view(3, 10), prefix_lens=[0, 4, 1], extend_lens=extend,
+                         kv_cache=None, attention=None, logits_indices=torch.tensor([0, 2, 3, 5]))
+    first, second = batch.micro_batches(2)
+    assert first.extend_lens == [3, 1] and second.extend_lens == [2] and second.prefix_lens == [1]
+    assert first.input_ids.tolist() == [0, 1, 2, 3] and second.input_ids.tolist() == [4, 5]
+    assert first.logits_indices.tolist() == [0, 2, 3] and second.logits_indices.tolist() == [1]
+    assert torch.equal(second.kv_slots, batch.kv_slots[2:])
+    shuffled = ForwardBatch(**{**vars(batch), "logits_indices": torch.tensor([5, 0])})
+    assert shuffled.micro_batches(1) == [shuffled]

@@ -24,7 +24,6 @@ NOT_SUPPORTED_YET = frozenset({
     # Runtime options
     "--elastic-ep-backend",
     "--mooncake-ib-device",
-    "--pp-max-micro-batch-size",
     "--base-gpu-id",
     "--gpu-id-step",
     "--sleep-on-idle",

@@ -340,17 +340,32 @@ class ModelRunner:
         the group cannot compute without it."""
         try:
             self._broadcast("forward", **payload)
-            out = self.model(batch)
-            if self.parallel.is_pipelined:
-                rows = len(batch.extend_lens) if batch.logits_indices is None else len(batch.logits_indices)
-                logits = self.parallel.logits_to_rank_zero(out.logits, (rows, self.config.vocab_size))
-                out = ModelOutput(logits, out.hidden_states)
+            out = self._through_stages(batch) if self.parallel.is_pipelined else self.model(batch)
         except RuntimeError as exc:
             if "gloo" in str(exc).lower() or "connection" in str(exc).lower() or "timed out" in str(exc).lower():
                 logger.error("tensor-parallel rank %d: a collective failed (%s); exiting", self.parallel.tp_rank, exc)
                 os._exit(1)
             raise
         return self._checked_output(out, batch) if self.parallel.rank == 0 else out
+
+    def _through_stages(self, batch: ForwardBatch) -> ModelOutput:
+        """The pass as micro-batches of at most --pp-max-micro-batch-size requests, one after
+        another through the stages: while a stage computes one, the stage before it computes the
+        next. Rank 0 gets the logits. Unset, a prefill goes in as many parts as there are stages
+        and a decode step whole: a part pays every layer's fixed costs, which a decode step's
+        few rows do not repay (see BENCHMARKS.md)."""
+        parallel = self.parallel
+        size = self.args.pp_max_micro_batch_size or (
+            batch.batch_size if batch.is_decode else -(-batch.batch_size // parallel.pp_size))
+        parts = batch.micro_batches(size)
+        waits = [parallel.expect_logits((part.logits_rows().numel(), self.config.vocab_size)) for part in parts] \
+            if parallel.rank == 0 else []
+        for part in parts:
+            out = self.model(part)
+            if parallel.is_last_stage:
+                parallel.send_logits(out.logits)
+        parallel.finish_sends()
+        return ModelOutput(torch.cat([wait() for wait in waits]) if waits else None)
 
     def _checked_output(self, out: Any, batch: ForwardBatch) -> ModelOutput:
         extend_lens, logits_indices, capture_layers = batch.extend_lens, batch.logits_indices, batch.capture_layers

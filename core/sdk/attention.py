@@ -156,6 +156,31 @@ class ForwardBatch:
         """The rows whose logits a model returns (see `logits_indices`)."""
         return self.last_token_indices() if self.logits_indices is None else self.logits_indices
 
+    def micro_batches(self, size: int) -> list[ForwardBatch]:
+        """The batch as consecutive groups of at most `size` requests (pipeline parallelism's
+        micro-batches), whose logits rows, one group after another, are this batch's in order.
+        One group where the asked rows are not in request order."""
+        rows = self.logits_indices
+        if self.batch_size <= size or (rows is not None and bool((rows[1:] < rows[:-1]).any())):
+            return [self]
+        token_starts = [0]
+        for extend in self.extend_lens:
+            token_starts.append(token_starts[-1] + extend)
+        parts = []
+        for first in range(0, self.batch_size, size):
+            last = min(first + size, self.batch_size)
+            t0, t1 = token_starts[first], token_starts[last]
+            indices = None if rows is None else rows[(rows >= t0) & (rows < t1)] - t0
+            tokens = slice(t0, t1)
+            parts.append(ForwardBatch(
+                input_ids=self.input_ids[tokens], positions=self.positions[tokens],
+                out_cache_loc=self.out_cache_loc[tokens], kv_slots=self.kv_slots[first:last],
+                prefix_lens=self.prefix_lens[first:last], extend_lens=self.extend_lens[first:last],
+                kv_cache=self.kv_cache, attention=self.attention, logits_indices=indices, mode=self.mode,
+                capture_layers=self.capture_layers,
+                token_type_ids=None if self.token_type_ids is None else self.token_type_ids[tokens]))
+        return parts
+
 
 class AttentionBackend(ABC):
     """Causal attention of a batch's new tokens over their cached and new keys and values.

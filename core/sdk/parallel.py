@@ -15,8 +15,8 @@ the count does not divide, so a model of 9 query heads in 3 groups runs on two r
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 
@@ -37,6 +37,8 @@ class ParallelContext:
     # collectives when set: `all_reduce(float32 tensor)` in place, `gather(tensor)` -> every
     # rank's on rank 0.
     local: Any = None
+    # Point-to-point sends still in flight, with their tensors (kept alive until sent).
+    _sends: list = field(default_factory=list, repr=False)
 
     @property
     def is_parallel(self) -> bool:
@@ -66,31 +68,51 @@ class ParallelContext:
         starts = partition_starts(num_layers, self.pp_size, 1, "pipeline stages")
         return starts[self.pp_rank], starts[self.pp_rank + 1]
 
-    def logits_to_rank_zero(self, logits: torch.Tensor | None, shape: tuple[int, ...]) -> torch.Tensor | None:
-        """Pipeline parallelism: the logits the last stage computed (on its tensor-parallel rank
-        0), on rank 0, which samples; other ranks get None. `shape` is theirs."""
-        if not self.is_pipelined:
-            return logits
+    @property
+    def last_stage_rank(self) -> int:
+        """The rank that holds the last stage's logits (its tensor-parallel rank 0)."""
+        return (self.pp_size - 1) * self.tp_size
+
+    def expect_logits(self, shape: tuple[int, ...]) -> Callable[[], torch.Tensor]:
+        """Rank 0 under pipeline parallelism: post the receive of one micro-batch's float32
+        logits from the last stage before computing; the returned call waits for them."""
         import torch.distributed as dist
 
-        last = (self.pp_size - 1) * self.tp_size
-        started = time.perf_counter()
-        if self.rank == last:
-            dist.send(logits.contiguous(), 0)
-        elif self.rank == 0:
-            logits = torch.empty(shape)
-            dist.recv(logits, last)
-        self.collective_seconds += time.perf_counter() - started
-        return logits if self.rank == 0 else None
+        logits = torch.empty(shape)
+        work = dist.irecv(logits, self.last_stage_rank)
+
+        def wait() -> torch.Tensor:
+            started = time.perf_counter()
+            work.wait()
+            self.collective_seconds += time.perf_counter() - started
+            return logits
+
+        return wait
+
+    def send_logits(self, logits: torch.Tensor) -> None:
+        """The last stage: a micro-batch's logits to rank 0 (from the rank that holds them)."""
+        import torch.distributed as dist
+
+        if self.rank == self.last_stage_rank:
+            started = time.perf_counter()
+            dist.send(logits.float().contiguous(), 0)
+            self.collective_seconds += time.perf_counter() - started
 
     def send_to_next_stage(self, *tensors: torch.Tensor) -> None:
         """A stage's output rows (the hidden states and the residual stream) to the same
-        tensor-parallel rank of the next stage, point to point."""
+        tensor-parallel rank of the next stage, point to point. Sent in the background: the
+        stage goes on to its next micro-batch (`finish_sends` waits for them)."""
         import torch.distributed as dist
 
-        started = time.perf_counter()
         for tensor in tensors:
-            dist.send(tensor.contiguous(), self.rank + self.tp_size)
+            tensor = tensor.contiguous()
+            self._sends.append((dist.isend(tensor, self.rank + self.tp_size), tensor))
+
+    def finish_sends(self) -> None:
+        started = time.perf_counter()
+        for work, _ in self._sends:
+            work.wait()
+        self._sends.clear()
         self.collective_seconds += time.perf_counter() - started
 
     def receive_from_previous_stage(self, count: int, shape: tuple[int, ...], dtype: torch.dtype) -> list[torch.Tensor]:
