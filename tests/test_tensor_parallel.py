@@ -122,6 +122,15 @@ def test_default_model_tp2_uneven_heads_matches_hf(default_model_dir):
         assert_matches_hf(engine, default_model_dir, prompts, results)
 
 
+def test_default_model_pp2_keeps_its_gguf_blocks_and_matches_hf(default_model_dir):
+    # Pipeline stages hold whole layers: a quantization method serves them as at pp=1.
+    prompts = random_prompts(3)
+    with srv.Engine(dtype="float32", pp_size=2) as engine:
+        assert engine.runner.quantization_name == "gguf" and engine.runner.kv_layers == 15
+        results = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+        assert_matches_hf(engine, default_model_dir, prompts, results)
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--tp-size", "2", "--lora-paths", "a=/nowhere"], "--enable-lora with --tensor-parallel-size > 1"),
     (["--tp-size", "2", "--speculative-algorithm", "NGRAM"], "--speculative-algorithm with --tensor-parallel-size"),
