@@ -264,12 +264,22 @@ def speculative_section(results: BenchResults) -> list[str]:
             + ".", ""]
 
 
+def ratio_rows(results: BenchResults, specs) -> list[list[str]]:
+    """A table row for each (label, their engine, srv's workload, theirs, metric) that ran:
+    srv's workload against the other's, repetition by repetition, and the median."""
+    rows = []
+    for label, theirs, workload, their_workload, metric in specs:
+        ratios = repetition_ratios(results.runs, SRV, theirs, workload, metric, their_workload)
+        if ratios:
+            rows.append([label, ", ".join(f"{r:#.3g}" for r in ratios), f"{median(ratios):#.3g}×"])
+    return rows
+
+
 def quantization_section(results: BenchResults) -> list[str]:
     """srv with w8a8_int8 against srv's dense float32, srv's default and the peers, within each
     repetition: output tok/s at 16 and 64 streams, decode ms/token at one."""
     peers = [p for p in results.engines if p not in (SRV, "hf")]
-    rows = []
-    for label, theirs, workload, their_workload, metric in (
+    rows = ratio_rows(results, (
             ("W1 int8 / W1 srv float32", SRV, W1_INT8, W1_FLOAT32, "output_throughput"),
             ("64 streams int8 / srv float32", SRV, C64_INT8, C64_FLOAT32, "output_throughput"),
             ("W1 int8 / W1 srv default", SRV, W1_INT8, W1, "output_throughput"),
@@ -277,10 +287,7 @@ def quantization_section(results: BenchResults) -> list[str]:
             *((f"W1 int8 / W1 {p}", p, W1_INT8, W1, "output_throughput") for p in peers),
             *((f"64 streams int8 / {p}", p, C64_INT8, C64, "output_throughput") for p in peers),
             ("W3 int8 / W3 srv default (ms/token)", SRV, W3_INT8, W3, "tpot_median_s"),
-            *((f"W3 int8 / W3 {p} (ms/token)", p, W3_INT8, W3, "tpot_median_s") for p in peers)):
-        ratios = repetition_ratios(results.runs, SRV, theirs, workload, metric, their_workload)
-        if ratios:
-            rows.append([label, ", ".join(f"{r:#.3g}" for r in ratios), f"{median(ratios):#.3g}×"])
+            *((f"W3 int8 / W3 {p} (ms/token)", p, W3_INT8, W3, "tpot_median_s") for p in peers)))
     if not rows:
         return []
     return ["### int8 compute (w8a8_int8)", "",
@@ -294,17 +301,13 @@ def quantization_section(results: BenchResults) -> list[str]:
 def parallel_section(results: BenchResults) -> list[str]:
     """srv split three ways (tensor, pipeline and data parallel) against its default, within each
     repetition."""
-    rows = []
-    for label, workload, base, metric in (
-            ("W1 tp=2 / W1 srv default (tok/s)", W1_TP2, W1, "output_throughput"),
-            ("W1 pp=2 / W1 srv default (tok/s)", W1_PP2, W1, "output_throughput"),
-            ("W1 dp=2 / W1 srv default (tok/s)", W1_DP2, W1, "output_throughput"),
-            ("W3 tp=2 / W3 srv default (ms/token)", W3_TP2, W3, "tpot_median_s"),
-            ("W3 pp=2 / W3 srv default (ms/token)", W3_PP2, W3, "tpot_median_s"),
-            ("W3 dp=2 / W3 srv default (ms/token)", W3_DP2, W3, "tpot_median_s")):
-        ratios = repetition_ratios(results.runs, SRV, SRV, workload, metric, base)
-        if ratios:
-            rows.append([label, ", ".join(f"{r:#.3g}" for r in ratios), f"{median(ratios):#.3g}×"])
+    rows = ratio_rows(results, (
+        ("W1 tp=2 / W1 srv default (tok/s)", SRV, W1_TP2, W1, "output_throughput"),
+        ("W1 pp=2 / W1 srv default (tok/s)", SRV, W1_PP2, W1, "output_throughput"),
+        ("W1 dp=2 / W1 srv default (tok/s)", SRV, W1_DP2, W1, "output_throughput"),
+        ("W3 tp=2 / W3 srv default (ms/token)", SRV, W3_TP2, W3, "tpot_median_s"),
+        ("W3 pp=2 / W3 srv default (ms/token)", SRV, W3_PP2, W3, "tpot_median_s"),
+        ("W3 dp=2 / W3 srv default (ms/token)", SRV, W3_DP2, W3, "tpot_median_s")))
     if not rows:
         return []
     return ["### Tensor, pipeline and data parallelism", "",

@@ -151,12 +151,10 @@ class VocabParallelEmbedding(nn.Embedding):
         return self.parallel.all_reduce(rows.masked_fill(outside.unsqueeze(-1), 0))
 
 
-class ParallelLMHead(nn.Linear):
+class ParallelLMHead(ColumnParallelLinear):
     """The vocabulary head, split by vocabulary range as VocabParallelEmbedding is (a tied head
     takes the same rows of the embedding matrix)."""
 
     def __init__(self, hidden_size: int, vocab_size: int, parallel: ParallelContext) -> None:
+        super().__init__(hidden_size, vocab_size, False, parallel)
         self.vocab_starts = parallel.partition_starts(vocab_size)
-        start, size = parallel.partition(vocab_size)
-        super().__init__(hidden_size, size, bias=False)
-        _split(self, Sharding(0, [(start, size)], parallel.tp_rank, parallel.tp_size))
