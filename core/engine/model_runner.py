@@ -355,6 +355,8 @@ class ModelRunner:
         and a decode step whole: a part pays every layer's fixed costs, which a decode step's
         few rows do not repay (see BENCHMARKS.md)."""
         parallel = self.parallel
+        if batch.capture_layers:   # refused here, on every rank, before any message is posted
+            raise ValueError("hidden states are not returned under pipeline parallelism yet")
         size = self.args.pp_max_micro_batch_size or (
             batch.batch_size if batch.is_decode else -(-batch.batch_size // parallel.pp_size))
         parts = batch.micro_batches(size)
