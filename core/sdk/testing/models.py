@@ -206,6 +206,28 @@ class ModelImplKit(_EngineChecks):
         finally:
             engine.shutdown()
 
+    @pytest.fixture(scope="class")
+    @classmethod
+    def srv_kit_tp_engine(cls, srv_kit_model_dir: Path) -> Iterator[Any]:
+        """An engine at --tensor-parallel-size 2. Skipped for an implementation that does not
+        declare `tensor_parallel`, and for one given only as a factory: the second rank is
+        another process, which finds backends among the installed plugins."""
+        from srv import Engine
+
+        impl = cls().make_impl()
+        if not impl.tensor_parallel:
+            pytest.skip(f"{type(impl).__name__} does not declare tensor_parallel (srv refuses --tensor-parallel-size > 1)")
+        if cls.impl_factory is not None or cls.backend_name is None:
+            pytest.skip("the implementation is given as a factory: tensor-parallel ranks run in other processes, "
+                        "which need an installed plugin (set backend_name)")
+        registration("model_impl", cls.backend_name)
+        engine = Engine(model_path=str(srv_kit_model_dir), model_impl=cls.backend_name, dtype="float32",
+                        tensor_parallel_size=2, **cls.engine_flags)
+        try:
+            yield engine
+        finally:
+            engine.shutdown()
+
     def config(self, model_dir: Path) -> ModelConfig:
         return ModelConfig.read(model_dir)
 
@@ -284,24 +306,10 @@ class ModelImplKit(_EngineChecks):
         expected = torch.log_softmax(logits, -1)[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
         torch.testing.assert_close(torch.tensor([lp for lp, _ in got[1:]]), expected, atol=1e-4, rtol=0)
 
-    def test_tensor_parallel_greedy_matches_transformers(self, srv_kit_model_dir: Path,
+    def test_tensor_parallel_greedy_matches_transformers(self, srv_kit_tp_engine: Any,
                                                          srv_kit_reference: Any) -> None:
         """`--tensor-parallel-size 2`: two ranks, each building its share of the model
-        (`ModelImpl.parallel`), give transformers' greedy tokens. Skipped for an implementation
-        that does not declare `tensor_parallel`, and for one given only as a factory (the second
-        rank is another process, which finds backends among the installed plugins)."""
-        from srv import Engine
-
-        impl = self.make_impl()
-        if not impl.tensor_parallel:
-            pytest.skip(f"{type(impl).__name__} does not declare tensor_parallel (srv refuses --tensor-parallel-size > 1)")
-        name = getattr(type(self), "backend_name", None)
-        if getattr(type(self), "impl_factory", None) is not None or name is None:
-            pytest.skip("the implementation is given as a factory: tensor-parallel ranks run in other processes, "
-                        "which need an installed plugin (set backend_name)")
-        registration("model_impl", name)
+        (`ModelImpl.parallel`), give transformers' greedy tokens (see srv_kit_tp_engine for when
+        it is skipped)."""
         prompts = random_prompts(self.prompt_lengths[:3], srv_kit_reference.config.vocab_size, seed=5)
-        with Engine(model_path=str(srv_kit_model_dir), model_impl=name, dtype="float32", tensor_parallel_size=2,
-                    **self.engine_flags) as engine:
-            self.assert_greedy_matches(engine, srv_kit_reference, prompts)
-
+        self.assert_greedy_matches(srv_kit_tp_engine, srv_kit_reference, prompts)
