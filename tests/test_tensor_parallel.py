@@ -246,3 +246,14 @@ def test_micro_batches_keep_each_requests_tokens_and_the_logits_rows_in_order():
     assert torch.equal(second.kv_slots, batch.kv_slots[2:])
     shuffled = ForwardBatch(**{**vars(batch), "logits_indices": torch.tensor([5, 0])})
     assert shuffled.micro_batches(1) == [shuffled]
+
+
+def test_tp2_w8a8_int8_quantizes_each_ranks_rows_within_the_stated_bound():
+    # The bound docs/quantization.md states for w8a8_int8 at tp=1 holds with each rank's scales.
+    from srv.sdk.testing.quantization import measure_accuracy
+    from test_w8a8_int8 import GREEDY_AGREEMENT_BOUND, TOP1_LOGPROB_ERROR_BOUND
+
+    accuracy = measure_accuracy(srv.Engine, {"dtype": "float32", "quantization": "w8a8_int8", "tp_size": 2})
+    assert accuracy.positions == 8 * 32
+    assert accuracy.top1_logprob_error <= TOP1_LOGPROB_ERROR_BOUND, accuracy
+    assert accuracy.greedy_agreement >= GREEDY_AGREEMENT_BOUND, accuracy

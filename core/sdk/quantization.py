@@ -87,8 +87,11 @@ class QuantizationMethod(ABC):
                 method = self.linear_method(name, module)
                 if method is not None:
                     parent, _, leaf = name.rpartition(".")
-                    setattr(model.get_submodule(parent), leaf,
-                            Linear(module.in_features, module.out_features, module.bias is not None, method))
+                    slot = Linear(module.in_features, module.out_features, module.bias is not None, method)
+                    # A tensor-parallel layer's part of each checkpoint tensor (srv.sdk.layers).
+                    if getattr(module, "sharding", None) is not None:
+                        slot.sharding = module.sharding
+                    setattr(model.get_submodule(parent), leaf, slot)
                     slots += 1
         return slots
 

@@ -168,6 +168,9 @@ class Int8LinearMethod(LinearMethod):
 
 class W8A8Int8Quantization(QuantizationMethod):
     activation_dtype = torch.float32   # the kernels quantize float32 rows
+    # A float checkpoint's weights split across ranks before they are quantized: each rank's
+    # rows get their own scales (an input-split layer's scale is its shard's), within the bound.
+    tensor_parallel = True
 
     def __init__(self, server_args: Any = None) -> None:
         super().__init__(server_args)
@@ -183,6 +186,9 @@ class W8A8Int8Quantization(QuantizationMethod):
             compressed_tensors_int8(config, refuse=True)
         elif method not in (None, "w8a8_int8"):
             raise ValueError(f"--quantization w8a8_int8 cannot read a checkpoint quantized with {method!r}")
+        if method is not None and getattr(self.server_args, "tensor_parallel_size", 1) > 1:
+            raise ValueError("--quantization w8a8_int8: a stored int8 checkpoint does not split across tensor-parallel "
+                             "ranks yet (a float checkpoint does)")
         kernels()   # a compiler error now, at launch, rather than at the first request
         logger.info("w8a8_int8: %s kernels", self.isa)
 
