@@ -94,7 +94,7 @@ def test_dp2_server_gives_each_request_its_output_alone_and_spreads_them_round_r
 
         def complete(prompt: str) -> str:
             reply = httpx.post(f"{server.base}/v1/completions", timeout=120,
-                               json={"prompt": prompt, "max_tokens": 12, "temperature": 0})
+                               json={"prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True})
             assert reply.status_code == 200
             return reply.json()["choices"][0]["text"]
 
@@ -110,8 +110,9 @@ def test_dp2_server_gives_each_request_its_output_alone_and_spreads_them_round_r
         status = server.scheduler_status()
         groups = status["data_parallel_groups"]
         assert len(groups) == 2 and groups[0]["pid"] != groups[1]["pid"]
-        # Round robin: each group computed four of the eight requests, two of them alone.
-        assert all(g["prompt_tokens"] > 0 and g["generated_tokens"] > 0 for g in groups)
+        # Round robin: each group computed four of the eight requests (12 tokens each), two alone.
+        assert [g["generated_tokens"] for g in groups] == [4 * 12, 4 * 12]
+        assert groups[0]["prompt_tokens"] > 0 and groups[1]["prompt_tokens"] > 0
         assert status["prompt_tokens"] == sum(g["prompt_tokens"] for g in groups)
         assert status["generated_tokens"] == sum(g["generated_tokens"] for g in groups)
     finally:

@@ -19,7 +19,7 @@ from srv.engine.lora import LoRAAdapter, LoRAManager, lora_target_modules, parse
 from srv.engine.pooling import Pooling
 from srv.sdk.attention import AttentionBackend, ForwardBatch, ForwardMode, KVCache, KVCacheDtype
 from srv.sdk.models import ModelConfig, ModelImpl, ModelLoader, ModelOutput, materialize
-from srv.sdk.parallel import ParallelContext
+from srv.sdk.parallel import ParallelContext, is_collective_failure
 from srv.sdk.quantization import QuantizationMethod
 
 logger = logging.getLogger("srv.engine")
@@ -342,8 +342,8 @@ class ModelRunner:
             self._broadcast("forward", **payload)
             out = self._through_stages(batch) if self.parallel.is_pipelined else self.model(batch)
         except RuntimeError as exc:
-            if "gloo" in str(exc).lower() or "connection" in str(exc).lower() or "timed out" in str(exc).lower():
-                logger.error("tensor-parallel rank %d: a collective failed (%s); exiting", self.parallel.tp_rank, exc)
+            if is_collective_failure(exc):
+                logger.error("rank %d: a collective failed (%s); exiting", self.parallel.rank, exc)
                 os._exit(1)
             raise
         return self._checked_output(out, batch) if self.parallel.rank == 0 else out

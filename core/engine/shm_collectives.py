@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from srv.sdk.native import load_c_library
+from srv.sdk.parallel import CollectiveFailed
 
 # Bytes of one rank's slot for one parity: a prefill chunk's residual rows in two or three pieces.
 SLOT_BYTES = 4 << 20
@@ -80,7 +81,7 @@ class SharedMemoryCollectives:
 
     def _wait(self, first: int, last: int, seq: int, timeout: float) -> None:
         if library().srv_shm_wait(self._base, first, last, seq, timeout) != 0:
-            raise RuntimeError(f"shared-memory collective timed out: a tensor-parallel rank did not arrive within "
+            raise CollectiveFailed(f"shared-memory collective timed out: a tensor-parallel rank did not arrive within "
                                f"{timeout:.0f} s")
 
     def _publish(self) -> None:

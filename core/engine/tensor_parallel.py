@@ -1,5 +1,5 @@
-"""Tensor-parallel ranks (`--tensor-parallel-size`): one process each, in one torch.distributed
-group (gloo on CPU).
+"""Tensor-parallel ranks (`--tensor-parallel-size`) in pipeline stages (`--pipeline-parallel-size`):
+one process each, in one torch.distributed group (gloo on CPU).
 
 Rank 0 is the process that schedules (the scheduler process, or `srv.Engine`'s): it starts the
 other ranks of its node, and each command it runs on its model (allocate the KV pool, run a
@@ -59,7 +59,7 @@ def init_address(args: Namespace) -> str:
         return f"127.0.0.1:{probe.getsockname()[1]}"
 
 
-class TensorParallelGroup:
+class ParallelGroup:
     """This process's rank in the group, the collectives (`context`) and the command channel."""
 
     def __init__(self, args: Namespace, rank: int, address: str) -> None:
@@ -165,11 +165,11 @@ def start_ranks(args: Namespace, ranks: range, address: str) -> dict[int, subpro
     return children
 
 
-def join_as_rank_zero(args: Namespace) -> TensorParallelGroup:
+def join_as_rank_zero(args: Namespace) -> ParallelGroup:
     """Rank 0 (node 0): start this node's other ranks, then form the group with them."""
     address = init_address(args)
     children = start_ranks(args, local_ranks(args)[1:], address)
-    group = TensorParallelGroup(args, 0, address)
+    group = ParallelGroup(args, 0, address)
     group.watch(children)
     return group
 
@@ -197,13 +197,13 @@ def run_rank(args: Namespace, rank: int, address: str) -> None:
         os._exit(4)
 
     threading.Thread(target=exit_with_parent, name="srv-parent-watch", daemon=True).start()
-    group = TensorParallelGroup(args, rank, address)
+    group = ParallelGroup(args, rank, address)
     runner = ModelRunner(args, load_plugins()[1], tensor_parallel=group)
     logger.info("tensor-parallel rank %d: ready", rank)
     while True:
         try:
             name, payload = group.receive()
-        except RuntimeError as exc:
+        except RuntimeError as exc:   # gloo's, rank 0 gone (the shared-memory wait has no end)
             logger.error("tensor-parallel rank %d: rank 0 is gone (%s); exiting", rank, exc)
             os._exit(1)
         if name == "stop":

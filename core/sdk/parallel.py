@@ -21,6 +21,16 @@ from typing import Any, Callable
 import torch
 
 
+class CollectiveFailed(RuntimeError):
+    """A collective that cannot finish: a rank did not arrive in time, or is gone."""
+
+
+def is_collective_failure(exc: BaseException) -> bool:
+    """Whether `exc` is a failed collective: srv's own, or gloo's (which raises a plain
+    RuntimeError naming its transport)."""
+    return isinstance(exc, CollectiveFailed) or (isinstance(exc, RuntimeError) and "gloo" in str(exc))
+
+
 @dataclass
 class ParallelContext:
     tp_rank: int = 0

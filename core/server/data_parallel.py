@@ -42,6 +42,9 @@ class DataParallelRouter:
         self.groups = len(sends)
         self._turn = itertools.cycle(range(self.groups))
         self._requests: dict[str, InFlight] = {}
+        # What each group has in flight: requests, and their prompt plus remaining tokens.
+        self._in_flight = [0] * self.groups
+        self._tokens = [0] * self.groups
         self._sessions: dict[str, int] = {}
         self._calls: dict[int, list[ControlResult | None]] = {}
         # Requests each group has been given since launch (what the tests and logs read).
@@ -58,6 +61,8 @@ class DataParallelRouter:
                     self._sessions[message.session_id] = group
             tokens = len(message.input_ids) + (message.params.max_new_tokens or 0)
             self._requests[message.rid] = InFlight(group, tokens)
+            self._in_flight[group] += 1
+            self._tokens[group] += tokens
             self.assigned[group] += 1
             self.sends[group](message)
         elif isinstance(message, AbortRequest):
@@ -77,9 +82,7 @@ class DataParallelRouter:
     def _choose(self) -> int:
         if self.method == "round_robin":
             return next(self._turn)
-        load = [0] * self.groups
-        for request in self._requests.values():
-            load[request.group] += 1 if self.method == "shortest_queue" else request.tokens
+        load = self._in_flight if self.method == "shortest_queue" else self._tokens
         return min(range(self.groups), key=lambda g: (load[g], g))
 
     # ---- what the groups answer ---------------------------------------------------------------
@@ -95,7 +98,10 @@ class DataParallelRouter:
             del self._calls[out.call_id]
             return merge_replies(replies)
         if out.finished:
-            self._requests.pop(out.rid, None)
+            request = self._requests.pop(out.rid, None)
+            if request is not None:
+                self._in_flight[request.group] -= 1
+                self._tokens[request.group] -= request.tokens
         return out
 
 
