@@ -79,12 +79,45 @@ def build_tiny_model(root: Path, kind: str, tokenizer_dir: Path) -> Path:
         model = LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=False))
     elif kind == "qwen2":  # biases on the query/key/value projections
         model = Qwen2ForCausalLM(Qwen2Config(**common, tie_word_embeddings=False))
-    else:
+    elif kind == "qwen3":
         model = Qwen3ForCausalLM(Qwen3Config(**common, head_dim=16, tie_word_embeddings=True))
+    else:
+        model = tiny_moe(kind, common)
     path = root / kind
     model.save_pretrained(path)
     AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(path)
     return path
+
+
+MOE_KINDS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+
+
+def tiny_moe(kind: str, common: dict):
+    """Mixtures of experts of every routing the native layers take: Mixtral (4 experts, weights
+    renormalised), Qwen2-MoE (a gated shared expert, layer 1 dense), Qwen3-MoE (per-head norms,
+    renormalised), OLMoE (norms over the whole query and key projections)."""
+    import transformers
+
+    common = {**common, "tie_word_embeddings": False}
+    if kind == "mixtral":
+        return transformers.MixtralForCausalLM(transformers.MixtralConfig(
+            **{**common, "intermediate_size": 96}, num_local_experts=4, num_experts_per_tok=2))
+    if kind == "qwen2_moe":
+        return transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
+            **common, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+            shared_expert_intermediate_size=64, mlp_only_layers=[1], norm_topk_prob=False))
+    if kind == "qwen3_moe":
+        return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+            **common, head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
+            norm_topk_prob=True))
+    return transformers.OlmoeForCausalLM(transformers.OlmoeConfig(
+        **{**common, "intermediate_size": 48}, num_experts=8, num_experts_per_tok=2, norm_topk_prob=False))
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_models(tmp_path_factory, default_model_dir) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny_moe")
+    return {kind: build_tiny_model(root, kind, default_model_dir) for kind in MOE_KINDS}
 
 
 @pytest.fixture(scope="session")

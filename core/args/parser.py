@@ -205,6 +205,10 @@ def parallel_refusals(args: argparse.Namespace) -> list[str]:
                        "on a port of its own")
     if nnodes > 1 and not args.dist_init_addr:
         refused.append("--nnodes > 1 needs --dist-init-addr HOST:PORT, where node 0's rank 0 forms the group")
+    ep = args.expert_parallel_size
+    if ep < 1 or tp % ep:
+        refused.append(f"--ep-size {ep} must divide --tensor-parallel-size {tp}: each group of "
+                       f"--tensor-parallel-size / --ep-size ranks holds a share of the experts")
     if tp * pp > 1:
         # These read or change one rank's model or KV pool; the others would not follow.
         layout = "--tensor-parallel-size > 1" if tp > 1 else "--pipeline-parallel-size > 1"

@@ -50,9 +50,6 @@ NOT_SUPPORTED_YET = frozenset({
     "--speculative-moe-runner-backend",
     "--speculative-moe-a2a-backend",
     # MoE
-    "--expert-parallel-size",
-    "--moe-a2a-backend",
-    "--moe-runner-backend",
     "--flashinfer-mxfp4-moe-precision",
     "--enable-flashinfer-allreduce-fusion",
     "--deepep-mode",

@@ -18,6 +18,7 @@ from srv.engine.default_model import default_model_path
 from srv.engine.lora import LoRAAdapter, LoRAManager, lora_target_modules, parse_lora_paths
 from srv.engine.pooling import Pooling
 from srv.sdk.attention import AttentionBackend, ForwardBatch, ForwardMode, KVCache, KVCacheDtype
+from srv.sdk.moe import MoEBackends
 from srv.sdk.models import ModelConfig, ModelImpl, ModelLoader, ModelOutput, materialize
 from srv.sdk.parallel import ParallelContext, is_collective_failure
 from srv.sdk.quantization import QuantizationMethod
@@ -128,6 +129,7 @@ class ModelRunner:
             raise BackendUnavailable(f"--model-impl {type(impl).__name__} does not split models across ranks: "
                                      "--tensor-parallel-size and --pipeline-parallel-size must be 1")
         impl.parallel = self.parallel
+        impl.moe = self.moe = self._moe_backends()
         # An embedding server pools each prompt's final hidden states instead of generating.
         self.is_embedding = bool(args.is_embedding) or not impl.is_generation(self.config)
         # A cross-encoder's output is its classifier's score of each request (a pair of texts).
@@ -246,6 +248,13 @@ class ModelRunner:
             raise ValueError(f"quantization {name} does not split across tensor-parallel ranks yet: "
                              "--tensor-parallel-size must be 1 with it")
         return method
+
+    def _moe_backends(self) -> MoEBackends:
+        """The MoE runner and token exchange the launch chose, for a model's sparse layers."""
+        args = self.args
+        return MoEBackends(self.registry.choose("moe_runner", args.moe_runner_backend).create(args),
+                           self.registry.choose("moe_a2a", args.moe_a2a_backend).create(args),
+                           args.expert_parallel_size)
 
     def _load_config(self) -> ModelConfig:
         return ModelConfig.read(self.model_dir, json.loads(self.args.json_model_override_args or "{}"),

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from srv.sdk.moe import MoEBackends
 from srv.sdk.parallel import ParallelContext
 
 
@@ -147,10 +148,15 @@ class ModelImpl(ABC):
     `parallel.receive_from_previous_stage`, one other than the last hands its output on with
     `send_to_next_stage` and returns `ModelOutput(None)`. An implementation that does this says
     so with `tensor_parallel = True`; srv refuses N > 1 and P > 1 for the others.
+
+    `moe` (srv.sdk.moe.MoEBackends) is set before `build` too: the MoE runner and token
+    exchange the launch chose (`--moe-runner-backend`, `--moe-a2a-backend`) and `--ep-size`,
+    which the model hands to each of its `srv.sdk.moe.FusedMoE` layers.
     """
 
     tensor_parallel = False
     parallel: ParallelContext = ParallelContext()
+    moe: MoEBackends = MoEBackends()
 
     def __init__(self, server_args: Any = None) -> None:
         self.server_args = server_args

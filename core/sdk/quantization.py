@@ -83,7 +83,7 @@ class QuantizationMethod(ABC):
         self.model_config = model_config
         slots = 0
         for name, module in list(model.named_modules()):
-            if isinstance(module, nn.Linear):
+            if isinstance(module, nn.Linear) and not getattr(module, "unquantized", False):
                 method = self.linear_method(name, module)
                 if method is not None:
                     parent, _, leaf = name.rpartition(".")
@@ -104,7 +104,7 @@ class QuantizationMethod(ABC):
                 module.method.process_weights_after_loading(module)
                 replaced += 1
         for name, module in list(model.named_modules()):
-            if isinstance(module, nn.Linear):
+            if isinstance(module, nn.Linear) and not getattr(module, "unquantized", False):
                 replacement = self.quantize(name, module)
                 if replacement is not None:
                     parent, _, leaf = name.rpartition(".")

@@ -9,7 +9,7 @@ SRV_SDK_VERSION = ">=0.1,<0.2"
 
 @hookimpl
 def srv_register_model_impls(register):
-    description = "srv's native layers (Llama, Qwen2, Qwen3) on srv's KV cache"
+    description = "srv's native layers (Llama, Qwen2, Qwen3; Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) on srv's KV cache"
     register("srv", "srv.plugins.models.impls:NativeModels", description=description, priority=10)
     register("sglang", "srv.plugins.models.impls:NativeModels",
              description="SGLang's name for the native implementation: same as srv")

@@ -6,16 +6,21 @@ from srv.sdk.models import ModelConfig, ModelImpl
 
 
 class NativeModels(ModelImpl):
-    """srv's own implementations of the Llama family (Llama, SmolLM2, Qwen2, Qwen3)."""
+    """srv's own implementations of the Llama family (Llama, SmolLM2, Qwen2, Qwen3) and its
+    mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE)."""
 
     tensor_parallel = True
 
     def supports(self, config: ModelConfig) -> bool:
-        from srv.plugins.models.llama import supports
+        from srv.plugins.models import llama, mixture_of_experts
 
-        return supports(config)
+        return llama.supports(config) or mixture_of_experts.supports(config)
 
     def build(self, config: ModelConfig):
+        from srv.plugins.models import mixture_of_experts
+
+        if mixture_of_experts.supports(config):
+            return mixture_of_experts.MoEForCausalLM(config, self.parallel, self.moe)
         from srv.plugins.models.llama import LlamaForCausalLM
 
         return LlamaForCausalLM(config, self.parallel)

@@ -18,7 +18,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from srv.sdk.attention import ForwardBatch
-from srv.sdk.layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RowParallelLinear,
+from srv.sdk.layers import (MergedColumnParallelLinear, Sharding, ParallelLMHead, QKVParallelLinear, RowParallelLinear,
                             VocabParallelEmbedding, load_shard)
 from srv.sdk.linear import checkpoint_key, load_weight, shard_rows
 from srv.sdk.models import ModelOutput
@@ -99,6 +99,25 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+class ShardedRMSNorm(RMSNorm):
+    """An RMS norm over features that tensor-parallel ranks share: this rank holds the weights of
+    its `shard` (start, size) of the `size` features, and the mean of squares is taken over all of
+    them (one all-reduce of each row's sum). At one rank it is RMSNorm."""
+
+    def __init__(self, size: int, shard: tuple[int, int], eps: float, parallel: ParallelContext) -> None:
+        super().__init__(shard[1], eps)
+        self.full_size, self.parallel = size, parallel
+        self.sharding = Sharding(0, [shard], parallel.tp_rank, parallel.tp_size)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if not self.parallel.is_parallel:
+            return super().forward(x, residual)
+        dtype = x.dtype
+        x = x.float()
+        squares = self.parallel.all_reduce(x.pow(2).sum(-1, keepdim=True))
+        return self.weight * (x * torch.rsqrt(squares / self.full_size + self.eps)).to(dtype)
+
+
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, theta: float, rope_scaling: dict[str, Any] | None) -> None:
         super().__init__()
@@ -137,19 +156,33 @@ class Attention(nn.Module):
         total_heads = config.num_attention_heads
         total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // total_heads
-        bias = getattr(config, "attention_bias", False) or config.model_type == "qwen2"
+        bias = getattr(config, "attention_bias", False) or config.model_type in ("qwen2", "qwen2_moe")
         self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, total_heads, total_kv_heads, bias, parallel)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.o_proj = RowParallelLinear(total_heads * self.head_dim, config.hidden_size, False, parallel,
                                         unit=total_heads // total_kv_heads * self.head_dim)
-        self.qk_norm = config.model_type == "qwen3"
+        # Qwen3 normalises each head's query and key; OLMoE the whole projection's (all heads'
+        # features at once, across the ranks that share them).
+        self.qk_norm = config.model_type in ("qwen3", "qwen3_moe")
+        self.full_qk_norm = config.model_type == "olmoe"
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, norm_eps(config))
             self.k_norm = RMSNorm(self.head_dim, norm_eps(config))
+        if self.full_qk_norm:
+            ranges = self.qkv_proj.sharding.ranges
+            self.q_norm = ShardedRMSNorm(total_heads * self.head_dim, ranges[0], norm_eps(config), parallel)
+            self.k_norm = ShardedRMSNorm(total_kv_heads * self.head_dim, ranges[1], norm_eps(config), parallel)
+        self.clip_qkv = getattr(config, "clip_qkv", None)
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch) -> torch.Tensor:
-        heads = self.qkv_proj(x).view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        if self.full_qk_norm:
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            qkv = torch.cat((self.q_norm(q), self.k_norm(k), v), dim=-1)
+        if self.clip_qkv is not None:
+            qkv = qkv.clamp(-self.clip_qkv, self.clip_qkv)
+        heads = qkv.view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k, v = heads.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
             heads = torch.cat((self.q_norm(q), self.k_norm(k), v), dim=1)
@@ -162,13 +195,13 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: Any, parallel: ParallelContext | None = None) -> None:
+    def __init__(self, config: Any, parallel: ParallelContext | None = None, intermediate_size: int | None = None) -> None:
         super().__init__()
         self.parallel = parallel = parallel or ParallelContext()
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2, False,
-                                                       parallel)
+        intermediate_size = intermediate_size or config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [intermediate_size] * 2, False, parallel)
         self.intermediate_size = self.gate_up_proj.out_features // 2   # this rank's
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, False, parallel)
+        self.down_proj = RowParallelLinear(intermediate_size, config.hidden_size, False, parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -182,10 +215,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: Any, layer_id: int, parallel: ParallelContext) -> None:
+    def __init__(self, config: Any, layer_id: int, parallel: ParallelContext, mlp: nn.Module) -> None:
         super().__init__()
         self.self_attn = Attention(config, layer_id, parallel)
-        self.mlp = MLP(config, parallel)
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, norm_eps(config))
         self.post_attention_layernorm = RMSNorm(config.hidden_size, norm_eps(config))
 
@@ -222,8 +255,9 @@ class LlamaForCausalLM(nn.Module):
         self.start, self.end = parallel.layer_range(config.num_hidden_layers)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, parallel) \
             if parallel.is_first_stage else None
-        self.layers = nn.ModuleList(DecoderLayer(config, i - self.start, parallel) if self.start <= i < self.end
-                                    else nn.Identity() for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i - self.start, parallel, self.build_mlp(config, i, parallel))
+                                    if self.start <= i < self.end else nn.Identity()
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, norm_eps(config))
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         # A tied head gets its own Parameter over the embedding matrix when the weights load: no
@@ -237,12 +271,16 @@ class LlamaForCausalLM(nn.Module):
         attention = self.layers[self.start].self_attn
         self.rotary = RotaryEmbedding(attention.head_dim, *rope_settings(config))
         self.shapes = LayerShapes(config.hidden_size, attention.num_heads, attention.num_kv_heads, attention.head_dim,
-                                  self.layers[self.start].mlp.intermediate_size, norm_eps(config))
+                                  getattr(self.layers[self.start].mlp, "intermediate_size", 0), norm_eps(config))
         # Per batch size: the layers as srv_decode_layers runs them, or None where one lacks a kernel.
         # They hold the addresses of the weights, which must not be replaced after the first decode
         # step (srv never does; the loader and the quantization run before it).
         self.native_layers: dict[int, ctypes.Array | None] = {}
         self.float32_norms: dict[int, RMSNorm] = {}
+
+    def build_mlp(self, config: Any, layer: int, parallel: ParallelContext) -> nn.Module:
+        """Layer `layer`'s feed-forward block (a subclass builds its experts here)."""
+        return MLP(config, parallel)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> ModelOutput:
@@ -323,7 +361,7 @@ class LlamaForCausalLM(nn.Module):
         layers = []
         for layer in self.layers:
             attention, mlp = layer.self_attn, layer.mlp
-            if attention.qk_norm:
+            if attention.qk_norm or attention.full_qk_norm or attention.clip_qkv is not None or type(mlp) is not MLP:
                 return None
             products = [getattr(module, "native_linear", lambda rows: None)(rows) for module in
                         (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)]
@@ -341,12 +379,16 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
-            name = checkpoint_key(name.removeprefix("model."))
+            name = self.rename(checkpoint_key(name.removeprefix("model.")))
             if "rotary_emb" in name or (name == "lm_head.weight" and self.tie_word_embeddings):
                 continue
             if self._other_stage(name) and not (name == "embed_tokens.weight" and self.tie_word_embeddings
                                                 and self.lm_head is not None):
                 continue   # another pipeline stage's (a tied head's last stage takes the embeddings)
+            taken = self.load_other(name, tensor)
+            if taken is not None:
+                loaded.update(taken)
+                continue
             module_path, _, leaf = name.rpartition(".")
             parent, _, proj = module_path.rpartition(".")
             if proj in self.FUSED:
@@ -375,6 +417,15 @@ class LlamaForCausalLM(nn.Module):
         missing = set(params) - loaded
         if missing:
             raise ValueError(f"checkpoint is missing weights: {sorted(missing)[:8]}")
+
+    def rename(self, name: str) -> str:
+        """A checkpoint name as this model's modules spell it (a subclass's own layout)."""
+        return name
+
+    def load_other(self, name: str, tensor: torch.Tensor) -> list[str] | None:
+        """Load a tensor the layers above do not take (a subclass's experts): the names of the
+        parameters it filled, or None where it is an ordinary layer's."""
+        return None
 
     def _other_stage(self, name: str) -> bool:
         """Whether checkpoint weight `name` belongs to another pipeline stage."""
