@@ -208,7 +208,7 @@ EXPECTED_NOT_SUPPORTED_YET = {
     "--flashinfer-mxfp4-moe-precision", "--enable-flashinfer-allreduce-fusion", "--deepep-mode",
     "--ep-num-redundant-experts", "--ep-dispatch-algorithm", "--init-expert-location", "--enable-eplb",
     "--eplb-algorithm", "--eplb-rebalance-num-iterations", "--eplb-rebalance-layers-per-chunk", "--eplb-min-rebalancing-utilization-threshold",
-    "--expert-distribution-recorder-mode", "--expert-distribution-recorder-buffer-size", "--enable-expert-distribution-metrics", "--deepep-config",
+    "--deepep-config",
     "--moe-dense-tp-size", "--max-mamba-cache-size", "--mamba-ssm-dtype", "--mamba-full-memory-ratio",
     "--mamba-scheduler-strategy", "--mamba-track-interval",
     "--enable-lmcache", "--enable-double-sparsity", "--ds-channel-config-path", "--ds-heavy-channel-num",

@@ -61,9 +61,6 @@ NOT_SUPPORTED_YET = frozenset({
     "--eplb-rebalance-num-iterations",
     "--eplb-rebalance-layers-per-chunk",
     "--eplb-min-rebalancing-utilization-threshold",
-    "--expert-distribution-recorder-mode",
-    "--expert-distribution-recorder-buffer-size",
-    "--enable-expert-distribution-metrics",
     "--deepep-config",
     "--moe-dense-tp-size",
     # Mamba cache

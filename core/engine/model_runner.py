@@ -18,7 +18,7 @@ from srv.engine.default_model import default_model_path
 from srv.engine.lora import LoRAAdapter, LoRAManager, lora_target_modules, parse_lora_paths
 from srv.engine.pooling import Pooling
 from srv.sdk.attention import AttentionBackend, ForwardBatch, ForwardMode, KVCache, KVCacheDtype
-from srv.sdk.moe import MoEBackends
+from srv.sdk.moe import MoEBackends, config_num_experts
 from srv.sdk.models import ModelConfig, ModelImpl, ModelLoader, ModelOutput, materialize
 from srv.sdk.parallel import ParallelContext, is_collective_failure
 from srv.sdk.quantization import QuantizationMethod
@@ -250,8 +250,11 @@ class ModelRunner:
         return method
 
     def _moe_backends(self) -> MoEBackends:
-        """The MoE runner and token exchange the launch chose, for a model's sparse layers."""
+        """The MoE runner and token exchange the launch chose, for a model's sparse layers (a
+        dense model's are never made: their flags have nothing to act on)."""
         args = self.args
+        if not config_num_experts(self.config):
+            return MoEBackends()
         return MoEBackends(self.registry.choose("moe_runner", args.moe_runner_backend).create(args),
                            self.registry.choose("moe_a2a", args.moe_a2a_backend).create(args),
                            args.expert_parallel_size)

@@ -15,7 +15,9 @@ import time
 from typing import Any, Callable
 
 from srv.engine.io import AbortRequest, ControlRequest, ControlResult, GenerateRequest, RequestOutput
+from srv.engine.expert_distribution import ExpertDistributionRecorder
 from srv.engine.profiler import StepProfiler
+from srv.sdk.moe import config_num_experts
 from srv.engine.request import Req
 from srv.engine.scheduler import Scheduler
 
@@ -43,6 +45,7 @@ class SchedulerLoop:
         self._logged_decode_steps = 0
         self.paused = False              # /pause_generation: no steps until /continue_generation
         self.profiler = StepProfiler()
+        self.experts = self._expert_recorder()
         self._control_outputs: list[RequestOutput] = []   # what a control call ended (aborted requests)
         # A control call that waits for the running requests to end: (call id, what to do then).
         self._deferred: tuple[int, Callable[[], Any]] | None = None
@@ -115,6 +118,8 @@ class SchedulerLoop:
             stepped = []
         outputs = [self._output(req) for req in self.scheduler.take_failed() + stepped]
         self.profiler.after_step()
+        if self.experts is not None and self.experts.active:
+            self.experts.after_pass()
         now, stats = time.monotonic(), self.scheduler.stats
         self._generated.append((now, stats.generated_tokens))
         while now - self._generated[0][0] > THROUGHPUT_WINDOW_S:
@@ -288,6 +293,42 @@ class SchedulerLoop:
         self.scheduler.unpin_session(session_id)
         return True
 
+    def _expert_recorder(self) -> ExpertDistributionRecorder | None:
+        """The recorder of a MoE model's routing (None for a dense model)."""
+        runner, args = self.scheduler.runner, self.scheduler.args
+        config = runner.config
+        experts = config_num_experts(config)
+        if not experts or getattr(runner, "moe", None) is None:
+            return None
+        recorder = ExpertDistributionRecorder(args.expert_distribution_recorder_mode,
+                                              args.expert_distribution_recorder_buffer_size,
+                                              config.num_hidden_layers, experts,
+                                              bool(args.enable_expert_distribution_metrics))
+        if recorder.active:
+            runner.moe.on_routed = recorder.on_routed
+        return recorder
+
+    def _recorder(self) -> ExpertDistributionRecorder:
+        if self.experts is None:
+            raise ValueError("the expert distribution is recorded for mixture-of-experts models; this one is dense")
+        return self.experts
+
+    def control_start_expert_distribution_record(self) -> bool:
+        recorder = self._recorder()
+        recorder.start()
+        self.scheduler.runner.moe.on_routed = recorder.on_routed
+        return True
+
+    def control_stop_expert_distribution_record(self) -> bool:
+        recorder = self._recorder()
+        recorder.stop()
+        if not recorder.active:   # the tap costs a bincount a layer: off when nothing reads it
+            self.scheduler.runner.moe.on_routed = None
+        return True
+
+    def control_dump_expert_distribution_record(self, output_dir: str | None = None) -> dict[str, Any]:
+        return self._recorder().dump(output_dir)
+
     def control_start_profile(self, **options: Any) -> str:
         return self.profiler.start(**options)
 
@@ -307,4 +348,5 @@ class SchedulerLoop:
             "gen_throughput": self.throughput(),
             **vars(scheduler.stats),
             "spec_accept_length": scheduler.stats.spec_accept_length,
+            "expert_balancedness": self.experts.last_balancedness if self.experts is not None else None,
         }

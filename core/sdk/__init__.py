@@ -2,8 +2,9 @@
 
 A plugin imports from `srv.sdk` and nothing else of srv. Hook specs are in `hookspecs`,
 the data a plugin registers in `registration`, the base classes of each family in `attention`,
-`sampling`, `grammar`, `tools`, `cache`, `scheduling`, `models`, `linear`, `quantization` and
-`speculative`, C kernels built on first use in `native`, the cache directory in `paths`, and the
+`sampling`, `grammar`, `tools`, `cache`, `scheduling`, `models`, `linear`, `quantization`,
+`speculative` and `moe` (expert runners and token exchanges), the layers split across ranks in
+`parallel` and `layers`, C kernels built on first use in `native`, the cache directory in `paths`, and the
 conformance kits in `testing`.
 
 A plugin module states the SDK versions it works with as a version range, for example

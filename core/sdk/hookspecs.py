@@ -105,7 +105,7 @@ def srv_register_kv_cache_dtypes(register: Register) -> None:
 def srv_register_moe_runner_backends(register: Register) -> None:
     """Register MoE expert runners (`--moe-runner-backend`).
 
-    No built-in backend yet: the base class a factory returns is defined with the first one.
+    factory(server_args) -> srv.sdk.moe.MoERunner
     """
 
 
@@ -113,7 +113,7 @@ def srv_register_moe_runner_backends(register: Register) -> None:
 def srv_register_moe_a2a_backends(register: Register) -> None:
     """Register MoE all-to-all dispatchers (`--moe-a2a-backend`).
 
-    No built-in backend yet: the base class a factory returns is defined with the first one.
+    factory(server_args) -> srv.sdk.moe.MoEDispatcher
     """
 
 

@@ -16,7 +16,9 @@ after it, whatever module serves it:
     ParallelLMHead            vocabulary split: the model puts the logits together on rank 0
                               with `parallel.gather(logits, head.vocab_starts)`
 
-At tp=1 each is its torch layer and `load_shard` copies the whole tensor.
+At tp=1 each is its torch layer and `load_shard` copies the whole tensor. A sparse block's
+experts are `srv.sdk.moe.FusedMoE` (split by expert across `--ep-size` groups, and by feature
+within one), run by the launch's MoE runner.
 """
 
 from __future__ import annotations

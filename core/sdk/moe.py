@@ -37,6 +37,16 @@ from srv.sdk.parallel import ParallelContext, partition_starts
 ACTIVATIONS = ("silu", "gelu")
 
 
+def config_num_experts(config: Any) -> int:
+    """The routed experts a model's config declares (0 for a dense model), whichever of the
+    published spellings it uses (Mixtral's, Qwen-MoE's and OLMoE's, DeepSeek's)."""
+    for key in ("num_local_experts", "num_experts", "n_routed_experts"):
+        value = getattr(config, key, None)
+        if value:
+            return int(value)
+    return 0
+
+
 @dataclass(frozen=True)
 class Routing:
     """How a block's router picks each token's experts, as the model's config says.

@@ -13,6 +13,9 @@ A method acts at two points of a launch:
    `quantize` on each remaining `nn.Linear`, for a method that recovers its format from
    weights a loader has already turned to float (gguf: the GGUF loader dequantizes the file).
 
+A MoE model's experts (srv.sdk.moe.FusedMoE) are offered to `quantize_experts` in `apply`; a
+linear layer marked `unquantized` (a router, whose scores pick the experts) is never claimed.
+
 The model is then cast to the served dtype (`Module.to` casts floating parameters and buffers,
 so keep quantized data that must not be cast as plain attributes) and handed to the model
 implementation's `finalize`. A replacement may keep an `nn.Linear` inside it (a dense copy for
@@ -36,6 +39,7 @@ from typing import Any
 from torch import nn
 
 from srv.sdk.linear import Linear, LinearMethod
+from srv.sdk.moe import FusedMoE
 
 logger = logging.getLogger("srv.quantization")
 
@@ -103,6 +107,7 @@ class QuantizationMethod(ABC):
             if isinstance(module, Linear):
                 module.method.process_weights_after_loading(module)
                 replaced += 1
+        experts = 0
         for name, module in list(model.named_modules()):
             if isinstance(module, nn.Linear) and not getattr(module, "unquantized", False):
                 replacement = self.quantize(name, module)
@@ -110,8 +115,16 @@ class QuantizationMethod(ABC):
                     parent, _, leaf = name.rpartition(".")
                     setattr(model.get_submodule(parent), leaf, replacement)
                     replaced += 1
-        logger.info("%s: %d linear layers quantized", type(self).__name__, replaced)
-        return replaced
+            elif isinstance(module, FusedMoE) and self.quantize_experts(name, module):
+                experts += 1
+        logger.info("%s: %d linear layers quantized%s", type(self).__name__, replaced,
+                    f", {experts} expert layers" if experts else "")
+        return replaced + experts
+
+    def quantize_experts(self, name: str, layer: FusedMoE) -> bool:
+        """Turn a MoE layer's loaded float experts (srv.sdk.moe.FusedMoE) into this method's
+        format, in place; whether it did (optional: by default experts stay in the served dtype)."""
+        return False
 
 
 def checkpoint_quantization_config(model_path: str) -> dict[str, Any]:

@@ -11,7 +11,8 @@ from srv.sdk import API_VERSION, hookspecs
 MARKER = "<!-- Everything below is generated from the code by `make docs`. -->"
 MODULES = ["srv.sdk.registration", "srv.sdk.attention", "srv.sdk.sampling", "srv.sdk.logit_processor",
            "srv.sdk.grammar", "srv.sdk.tools", "srv.sdk.reasoning", "srv.sdk.lora",
-           "srv.sdk.cache", "srv.sdk.scheduling", "srv.sdk.models", "srv.sdk.linear", "srv.sdk.quantization",
+           "srv.sdk.cache", "srv.sdk.scheduling", "srv.sdk.models", "srv.sdk.parallel", "srv.sdk.layers",
+           "srv.sdk.moe", "srv.sdk.linear", "srv.sdk.quantization",
            "srv.sdk.speculative", "srv.sdk.native", "srv.sdk.paths", "srv.sdk.testing"]
 
 

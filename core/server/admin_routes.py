@@ -1,5 +1,5 @@
 """SGLang's operations routes: /ping, /get_load, /pause_generation and /continue_generation,
-/start_profile and /stop_profile, /configure_logging."""
+/start_profile and /stop_profile, /configure_logging, the expert distribution recorder's three."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from srv.server.app import ServerContext, read_body, read_optional_body
-from srv.server.protocol import ConfigureLoggingRequest, PauseGenerationRequest, StartProfileRequest
+from srv.server.protocol import (ConfigureLoggingRequest, DumpExpertDistributionRequest, PauseGenerationRequest,
+                                 StartProfileRequest)
 
 
 class AdminRoutes:
@@ -42,6 +43,19 @@ class AdminRoutes:
         path = await self.context.frontend.control("stop_profile")
         return JSONResponse({"success": True, "message": f"trace written to {path}", "path": path})
 
+    async def start_expert_distribution_record(self, request: Request) -> Response:
+        await self.context.frontend.control("start_expert_distribution_record")
+        return JSONResponse({"success": True, "message": "recording the expert distribution"})
+
+    async def stop_expert_distribution_record(self, request: Request) -> Response:
+        await self.context.frontend.control("stop_expert_distribution_record")
+        return JSONResponse({"success": True, "message": "the expert distribution recording stopped"})
+
+    async def dump_expert_distribution_record(self, request: Request) -> Response:
+        body = await read_optional_body(request, DumpExpertDistributionRequest, self.context)
+        dump = await self.context.frontend.control("dump_expert_distribution_record", output_dir=body.output_dir)
+        return JSONResponse({"success": True, **dump})
+
     async def clear_hicache_storage_backend(self, request: Request) -> Response:
         await self.context.frontend.control("clear_hicache_storage_backend")
         return JSONResponse({"success": True, "message": "hierarchical cache storage backend cleared"})
@@ -69,4 +83,7 @@ def admin_routes(context: ServerContext) -> list[Route]:
             Route("/start_profile", routes.start_profile, methods=both),
             Route("/stop_profile", routes.stop_profile, methods=both),
             Route("/configure_logging", routes.configure_logging, methods=["POST"]),
+            Route("/start_expert_distribution_record", routes.start_expert_distribution_record, methods=both),
+            Route("/stop_expert_distribution_record", routes.stop_expert_distribution_record, methods=both),
+            Route("/dump_expert_distribution_record", routes.dump_expert_distribution_record, methods=both),
             Route("/clear_hicache_storage_backend", routes.clear_hicache_storage_backend, methods=both)]

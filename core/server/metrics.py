@@ -127,6 +127,10 @@ class ServerMetrics:
             "gen_throughput": Gauge("sglang:gen_throughput", "Generated tokens per second, recent",
                                     scheduler_labels, registry=r),
         }
+        if getattr(args, "enable_expert_distribution_metrics", False):
+            self.gauges["expert_balancedness"] = Gauge(
+                "srv:expert_balancedness", "MoE layers' mean over max tokens an expert, over recent forward passes",
+                scheduler_labels, registry=r)
         self.hicache = HiCacheCollector(model_name)
         r.register(self.hicache)
 
@@ -178,6 +182,7 @@ class ServerMetrics:
             "cache_hit_rate": status["cached_prompt_tokens"] / max(status["prompt_tokens"], 1),
         }
         for key, gauge in self.gauges.items():
-            gauge.labels(self.model_name).set(values[key])
+            if values.get(key) is not None:   # the expert balancedness before its first window
+                gauge.labels(self.model_name).set(values[key])
         self.hicache.values = status.get("hicache") or {}
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

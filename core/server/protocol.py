@@ -314,6 +314,23 @@ class UnloadLoRAAdapterRequest(StrictInput):
     lora_name: NonEmptyStr
 
 
+class DumpExpertDistributionRequest(StrictInput):
+    """POST /dump_expert_distribution_record."""
+
+    output_dir: NonEmptyStr | None = None   # default: $SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR, else /tmp
+
+
+class ExpertDistribution(BaseModel):
+    """/dump_expert_distribution_record: the file written and what it holds, in sum."""
+
+    success: bool
+    path: str
+    mode: str
+    passes: int   # forward passes kept (per_pass and per_token modes)
+    logical_count: list[list[int]]   # tokens routed to each expert of each layer
+    balancedness: float   # mean over layers of (mean load / largest load) of the experts
+
+
 class OperationResult(BaseModel):
     """What the operations routes answer (/pause_generation, /start_profile, ...)."""
 

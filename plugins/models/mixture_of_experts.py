@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from srv.sdk.moe import FusedMoE, MoEBackends, Routing
+from srv.sdk.moe import FusedMoE, MoEBackends, Routing, config_num_experts
 from srv.sdk.parallel import ParallelContext
 from srv.plugins.models.llama import MLP, LlamaForCausalLM
 
@@ -30,10 +30,6 @@ STACKED = re.compile(r"(layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 
 def supports(config: Any) -> bool:
     return any(a in ARCHITECTURES for a in (getattr(config, "architectures", None) or []))
-
-
-def num_experts(config: Any) -> int:
-    return getattr(config, "num_local_experts", None) or config.num_experts
 
 
 def routing(config: Any) -> Routing:
@@ -53,17 +49,19 @@ class SparseMoeBlock(nn.Module):
 
     def __init__(self, config: Any, layer: int, parallel: ParallelContext, backends: MoEBackends) -> None:
         super().__init__()
-        # The router is replicated on every rank, and stays in the served dtype under any
-        # quantization (`unquantized`): its scores pick the experts.
-        self.gate = nn.Linear(config.hidden_size, num_experts(config), bias=False)
+        # The router (and the shared expert's gate) is replicated on every rank, and stays in the
+        # served dtype under any quantization (`unquantized`): its scores pick the experts.
+        self.gate = nn.Linear(config.hidden_size, config_num_experts(config), bias=False)
         self.gate.unquantized = True
         intermediate = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
         activation = getattr(config, "hidden_act", "silu")
-        self.experts = FusedMoE(num_experts(config), config.hidden_size, intermediate, routing(config), parallel,
+        self.experts = FusedMoE(config_num_experts(config), config.hidden_size, intermediate, routing(config), parallel,
                                 backends, "gelu" if activation.startswith("gelu") else activation, layer)
         shared = getattr(config, "shared_expert_intermediate_size", 0) or 0
         self.shared_expert = MLP(config, parallel, shared) if shared else None
         self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False) if shared else None
+        if shared:
+            self.shared_expert_gate.unquantized = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.experts(x, self.gate(x))

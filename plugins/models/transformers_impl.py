@@ -299,6 +299,10 @@ def supports(config: Any, trust_remote_code: bool = False) -> bool:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     if getattr(text, "attn_logit_softcapping", None):
         return False  # srv's backends have no attention logit softcapping (Gemma 2)
+    if getattr(text, "kv_lora_rank", None):
+        raise ValueError(f"{architectures[0]} attends with multi-head latent attention (keys and values of "
+                         "different sizes, cached as one compressed latent per token): srv's KV cache holds keys "
+                         "and values of one head size, so DeepSeek-V2/V3-style models are not supported yet")
     if set(getattr(text, "layer_types", None) or []) - ATTENTION_LAYER_TYPES:
         return False  # linear-attention / state-space layers keep state srv's KV cache does not hold
     # Whether the model's attention layers dispatch through AttentionInterface.

@@ -1,0 +1,226 @@
+"""Mixtures of experts: routing as HF transformers routes, experts split across expert-parallel
+ranks, and tiny random Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE models whose greedy tokens equal
+HF transformers' for every runner, batched, with prefix hits and chunked prefill, at ep=1 and
+ep=2 (two processes, both token exchanges)."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import torch
+
+import srv
+from conftest import MOE_KINDS, tiny_moe
+from srv.args.parser import parse_launch_args
+from srv.plugin_manager import load_plugins
+from srv.sdk.linear import Linear
+from srv.sdk.moe import FusedMoE, MoEBackends, Routing, run_experts_reference, select_experts
+from srv.sdk.parallel import ParallelContext
+from test_engine import GREEDY, assert_all_kv_returned, assert_matches_hf, random_prompts
+from test_server import AUTH, Server
+
+RUNNERS = ["torch"]
+
+
+def test_softmax_routing_is_hf_transformers_router():
+    from transformers import Qwen2MoeConfig
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeTopKRouter
+
+    torch.manual_seed(0)
+    x = torch.randn(33, 16)
+    for renormalize in (False, True):
+        config = Qwen2MoeConfig(hidden_size=16, num_experts=8, num_experts_per_tok=3, norm_topk_prob=renormalize)
+        router = Qwen2MoeTopKRouter(config)
+        torch.nn.init.normal_(router.weight)
+        _, hf_weights, hf_ids = router(x)
+        weights, ids = select_experts(x @ router.weight.t(), Routing(3, renormalize=renormalize))
+        assert torch.equal(ids, hf_ids) and torch.allclose(weights, hf_weights, rtol=1e-6)
+
+
+def test_grouped_sigmoid_routing_with_correction_bias_is_deepseek_v3s():
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    torch.manual_seed(0)
+    config = DeepseekV3Config(hidden_size=16, n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
+                              norm_topk_prob=True, routed_scaling_factor=2.5)
+    router = DeepseekV3TopkRouter(config)
+    torch.nn.init.normal_(router.weight)
+    router.e_score_correction_bias.normal_(0, 0.3)
+    x = torch.randn(40, 16)
+    _, hf_weights, hf_ids = router(x)
+    weights, ids = select_experts(x @ router.weight.t(), Routing(4, "sigmoid", True, 4, 2, 2.5),
+                                  router.e_score_correction_bias)
+    hf_order, order = hf_ids.sort(dim=-1), ids.sort(dim=-1)
+    assert torch.equal(order.values, hf_order.values)
+    assert torch.allclose(weights.gather(1, order.indices), hf_weights.gather(1, hf_order.indices), rtol=1e-5)
+
+
+def test_routing_refuses_more_experts_than_there_are():
+    with pytest.raises(ValueError, match="top_k 3 exceeds the 2 experts"):
+        select_experts(torch.randn(4, 2), Routing(3))
+
+
+def test_experts_split_across_expert_parallel_ranks_and_features_within_a_group():
+    # tp=4, ep=2: ranks 0-1 hold experts 0-3, ranks 2-3 experts 4-7; within a pair each holds half
+    # of every expert's intermediate features.
+    layers = [FusedMoE(8, 16, 24, Routing(2), ParallelContext(rank, 4), MoEBackends(ep_size=2)) for rank in range(4)]
+    assert [(m.expert_start, m.local_experts, m.inter_start, m.inter_local) for m in layers] == \
+        [(0, 4, 0, 12), (0, 4, 12, 12), (4, 4, 0, 12), (4, 4, 12, 12)]
+    gate = torch.randn(24, 16)
+    assert layers[3].load_expert("gate", 5, 0, gate) and not layers[3].load_expert("gate", 3, 0, gate)
+    assert torch.equal(layers[3].w13_weight.data[1, :12], gate[12:])
+    with pytest.raises(ValueError, match="--ep-size 3 must divide --tensor-parallel-size 4"):
+        FusedMoE(8, 16, 24, Routing(2), ParallelContext(0, 4), MoEBackends(ep_size=3))
+
+
+def test_int8_experts_stay_within_their_rounding_of_the_float_ones():
+    torch.manual_seed(0)
+    layer = FusedMoE(4, 32, 48, Routing(2))
+    layer.w13_weight.data.normal_()
+    layer.w2_weight.data.normal_()
+    x, logits = torch.randn(10, 32), torch.randn(10, 4)
+    expected = layer(x, logits)
+    layer.quantize_int8()
+    assert layer.experts().is_int8 and not hasattr(layer, "w13_weight")
+    # Each weight moves by at most half a step (its row's largest magnitude / 254).
+    assert (layer(x, logits) - expected).abs().max() <= 0.02 * expected.abs().max()
+
+
+def test_a_route_to_another_ranks_expert_adds_nothing():
+    layer = FusedMoE(8, 8, 8, Routing(1), ParallelContext(1, 2), MoEBackends(ep_size=2))
+    layer.w13_weight.data.normal_()
+    layer.w2_weight.data.normal_()
+    x = torch.randn(3, 8)
+    out = run_experts_reference(x, torch.ones(3, 1), torch.tensor([[0], [5], [3]]), layer.experts())
+    assert torch.equal(out[0], torch.zeros(8)) and torch.equal(out[2], torch.zeros(8)) and out[1].abs().sum() > 0
+
+
+@pytest.mark.parametrize("flags,reason", [
+    (["--moe-runner-backend", "no_such_runner"], "unknown moe_runner backend 'no_such_runner'"),
+    (["--moe-runner-backend", "triton"], "triton: SGLang's Triton fused MoE kernels need a GPU"),
+    (["--moe-a2a-backend", "deepep"], "deepep: DeepEP's NVLink/RDMA all-to-all kernels need a GPU"),
+    (["--tp-size", "2", "--ep-size", "3"], "--ep-size 3 must divide --tensor-parallel-size 2"),
+])
+def test_unusable_moe_flags_fail_at_launch_with_their_reasons(flags, reason, capsys):
+    with pytest.raises(SystemExit):
+        parse_launch_args(flags, *load_plugins())
+    assert reason in capsys.readouterr().err
+
+
+def test_deepseek_latent_attention_is_refused_with_its_reason(tmp_path):
+    from transformers import DeepseekV3Config
+
+    config = DeepseekV3Config(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                              num_hidden_layers=1, num_attention_heads=2, n_routed_experts=4, kv_lora_rank=16,
+                              q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8)
+    config.architectures = ["DeepseekV3ForCausalLM"]
+    config.save_pretrained(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(Exception, match="multi-head latent attention"):
+        srv.Engine(model_path=str(tmp_path), load_format="dummy")
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
+@pytest.mark.parametrize("kind", MOE_KINDS)
+def test_moe_greedy_tokens_match_hf_batched_with_prefix_hits_and_chunked_prefill(tiny_moe_models, kind, runner):
+    path = tiny_moe_models[kind]
+    prompts = random_prompts(4)
+    # The same prompts again after the first round: their prefixes are in the cache.
+    with srv.Engine(model_path=str(path), dtype="float32", moe_runner_backend=runner,
+                    chunked_prefill_size=16) as engine:
+        assert type(engine.runner.model).__name__ == "MoEForCausalLM"   # native, not transformers'
+        results = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+        assert_matches_hf(engine, path, prompts, results)
+        again = engine.generate(input_ids=[p + [7] for p in prompts[:2]], sampling_params=GREEDY)
+        assert all(r["meta_info"]["cached_tokens"] > 0 for r in again)
+        assert_matches_hf(engine, path, [p + [7] for p in prompts[:2]], again)
+        assert_all_kv_returned(engine)
+
+
+@pytest.mark.parametrize("kind,flags", [
+    ("qwen2_moe", {"ep_size": 2}),                                  # experts split, one all-reduce
+    ("olmoe", {}),                                                  # every expert's features split
+    ("mixtral", {"ep_size": 2, "moe_a2a_backend": "all_to_all"}),   # tokens sent to their experts
+    ("qwen3_moe", {"ep_size": 2, "moe_a2a_backend": "all_to_all"}),
+])
+def test_moe_tp2_greedy_tokens_match_hf(tiny_moe_models, kind, flags, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")   # two ranks on two cores
+    path = tiny_moe_models[kind]
+    prompts = random_prompts(4)
+    with srv.Engine(model_path=str(path), dtype="float32", tp_size=2, **flags) as engine:
+        results = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+        assert_matches_hf(engine, path, prompts, results)
+        assert_all_kv_returned(engine)
+
+
+def test_transformers_5_stacked_expert_layout_loads(tmp_path, default_model_dir):
+    # transformers 5 keeps every expert of a layer in one tensor in memory; a state dict saved
+    # from it has experts.gate_up_proj and experts.down_proj instead of one tensor an expert.
+    from transformers import AutoTokenizer
+
+    common = dict(vocab_size=49152, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                  bos_token_id=1, eos_token_id=2, initializer_range=0.3)
+    torch.manual_seed(1)
+    model = tiny_moe("qwen3_moe", common)
+    model.config.save_pretrained(tmp_path)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    assert "model.layers.0.mlp.experts.gate_up_proj" in state
+    torch.save(state, tmp_path / "pytorch_model.bin")
+    AutoTokenizer.from_pretrained(default_model_dir).save_pretrained(tmp_path)
+    prompts = random_prompts(2)
+    with srv.Engine(model_path=str(tmp_path), dtype="float32") as engine:
+        results = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+    assert_matches_hf(engine, tmp_path, prompts, results)
+
+
+def test_w8a8_int8_quantizes_experts_and_keeps_the_router_float(tiny_moe_models):
+    # A float checkpoint quantized at load: linear layers int8 (activations too), experts int8
+    # weight-only; the greedy tokens of this tiny model stay those of the float model for a while.
+    path = tiny_moe_models["qwen2_moe"]
+    prompts = random_prompts(2)
+    with srv.Engine(model_path=str(path), quantization="w8a8_int8", moe_runner_backend="torch") as engine:
+        model = engine.runner.model
+        block = model.layers[0].mlp
+        assert block.experts.experts().is_int8
+        assert not isinstance(block.gate, Linear) and not isinstance(block.shared_expert_gate, Linear)
+        assert isinstance(block.shared_expert.down_proj, Linear)   # a quantization slot
+        results = engine.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": 4})
+    with srv.Engine(model_path=str(path), dtype="float32", moe_runner_backend="torch") as engine:
+        expected = engine.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": 4})
+    agree = sum(a == b for r, e in zip(results, expected) for a, b in zip(r["output_ids"], e["output_ids"]))
+    assert agree >= 6, (results, expected)
+
+
+def test_expert_distribution_recorder_routes_and_metrics(tiny_moe_models, tmp_path):
+    path = tiny_moe_models["mixtral"]
+    server = Server("--model-path", str(path), "--enable-metrics", "--enable-expert-distribution-metrics",
+                    "--expert-distribution-recorder-mode", "per_pass", "--moe-runner-backend", "torch",
+                    "--skip-server-warmup")
+    try:
+        def post(route: str, **body) -> dict:
+            response = httpx.post(server.base + route, json=body or None, headers=AUTH, timeout=60)
+            assert response.status_code == 200, response.text
+            return response.json()
+
+        assert post("/start_expert_distribution_record")["success"]
+        post("/generate", input_ids=[5, 6, 7, 8], sampling_params=GREEDY)
+        assert post("/stop_expert_distribution_record")["success"]
+        dump = post("/dump_expert_distribution_record", output_dir=str(tmp_path))
+        # Each of the 3 layers sent each token to two of the four experts: the 4 prompt tokens,
+        # then one a step.
+        tokens = 4 + GREEDY["max_new_tokens"] - 1
+        assert [sum(layer) for layer in dump["logical_count"]] == [2 * tokens] * 3
+        assert dump["mode"] == "per_pass" and dump["passes"] == GREEDY["max_new_tokens"]
+        assert len(torch.load(dump["path"])["logical_count_of_pass"]) == dump["passes"]
+        assert 0.25 <= dump["balancedness"] <= 1.0
+        assert "# TYPE srv:expert_balancedness gauge" in httpx.get(server.base + "/metrics", headers=AUTH).text
+    finally:
+        server.stop()
+
+
+def test_expert_distribution_routes_refuse_a_dense_model(default_model_dir):
+    with srv.Engine(dtype="float32") as engine:
+        with pytest.raises(Exception, match="mixture-of-experts models; this one is dense"):
+            engine._run(engine.frontend.control("start_expert_distribution_record"))
