@@ -5,6 +5,8 @@ ep=2 (two processes, both token exchanges)."""
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 import torch
@@ -224,3 +226,33 @@ def test_expert_distribution_routes_refuse_a_dense_model(default_model_dir):
     with srv.Engine(dtype="float32") as engine:
         with pytest.raises(Exception, match="mixture-of-experts models; this one is dense"):
             engine._run(engine.frontend.control("start_expert_distribution_record"))
+
+
+def test_placement_copies_the_busiest_experts_and_spreads_the_load():
+    from srv.engine.expert_location import plan_placement
+
+    counts = torch.tensor([[100, 10, 10, 40], [1, 1, 1, 1]])
+    layers = plan_placement(counts, 6, 2)
+    # Expert 0 gets two extra copies (100/3 per copy beats 40), spread over both ranks.
+    assert sorted(layers[0]) == [0, 0, 0, 1, 2, 3]
+    assert 0 in layers[0][:3] and 0 in layers[0][3:]
+    assert sorted(set(layers[1])) == [0, 1, 2, 3] and len(layers[1]) == 6
+
+
+@pytest.mark.parametrize("tp,flags", [(1, ["trivial", 3]), (2, ["dump", 2])])
+def test_redundant_experts_keep_hf_greedy_tokens(tiny_moe_models, tmp_path, tp, flags, monkeypatch):
+    # Copies of experts share their routes by token row: the sums are the same routes'.
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    location, redundant = flags
+    if location == "dump":   # a recorder dump's counts, as the workflow records them
+        location = str(tmp_path / "counts.json")
+        (tmp_path / "counts.json").write_text(json.dumps({"logical_count": [[9, 1, 1, 5]] * 3}))
+    path = tiny_moe_models["mixtral"]
+    prompts = random_prompts(4)
+    with srv.Engine(model_path=str(path), dtype="float32", tp_size=tp, ep_size=tp, init_expert_location=location,
+                    ep_num_redundant_experts=redundant) as engine:
+        results = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+        if tp == 1:
+            layer = engine.runner.model.layers[0].mlp.experts
+            assert layer.local_experts == 4 + redundant and layer.slot_logical == [0, 1, 2, 3, 0, 1, 2]
+    assert_matches_hf(engine, path, prompts, results)

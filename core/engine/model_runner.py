@@ -15,6 +15,7 @@ import torch
 
 from srv.backend_registry import AUTO, NONE, BackendRegistry, BackendUnavailable
 from srv.engine.default_model import default_model_path
+from srv.engine.expert_location import expert_placement
 from srv.engine.lora import LoRAAdapter, LoRAManager, lora_target_modules, parse_lora_paths
 from srv.engine.pooling import Pooling
 from srv.sdk.attention import AttentionBackend, ForwardBatch, ForwardMode, KVCache, KVCacheDtype
@@ -257,7 +258,7 @@ class ModelRunner:
             return MoEBackends()
         return MoEBackends(self.registry.choose("moe_runner", args.moe_runner_backend).create(args),
                            self.registry.choose("moe_a2a", args.moe_a2a_backend).create(args),
-                           args.expert_parallel_size)
+                           args.expert_parallel_size, expert_placement(args, self.config))
 
     def _load_config(self) -> ModelConfig:
         return ModelConfig.read(self.model_dir, json.loads(self.args.json_model_override_args or "{}"),

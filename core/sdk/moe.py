@@ -106,8 +106,8 @@ class ExpertWeights:
 
     w13: [local experts, 2 * intermediate, hidden], each expert's gate rows then its up rows;
     w2: [local experts, hidden, intermediate]. `start` is the global id of local expert 0 and
-    `num_experts` the global count: a route to an expert outside [start, start + local) is
-    another rank's. With int8 weights, `w13_scale` [local, 2 * intermediate] and `w2_scale`
+    `num_experts` the global count (of physical slots, where a placement replicates some): a
+    route to an expert outside [start, start + local) is another rank's. With int8 weights, `w13_scale` [local, 2 * intermediate] and `w2_scale`
     [local, hidden] are each output channel's float32 scale. `packed` is the runner's to fill in
     `prepare` (its own layout of the same weights)."""
 
@@ -254,6 +254,33 @@ class AllReduceDispatcher(MoEDispatcher):
 
 
 @dataclass
+class ExpertPlacement:
+    """Where each layer's experts live when some are replicated (`--ep-num-redundant-experts`):
+    `physical_to_logical[layer][slot]` is the logical expert that physical slot holds. The slots
+    split across expert-parallel ranks as experts do without replicas; a route to a replicated
+    expert goes to one of its copies, chosen by the token's row (so the copies share the load)."""
+
+    physical_to_logical: list[list[int]]
+
+    @property
+    def num_physical(self) -> int:
+        return len(self.physical_to_logical[0])
+
+    def replica_table(self, layer: int, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(slots [experts, most copies] of each logical expert, padded with its first; copies
+        [experts]) of layer `layer`."""
+        slots: list[list[int]] = [[] for _ in range(num_experts)]
+        for slot, logical in enumerate(self.physical_to_logical[layer]):
+            slots[logical].append(slot)
+        missing = [e for e, s in enumerate(slots) if not s]
+        if missing:
+            raise ValueError(f"the expert placement of layer {layer} holds no copy of experts {missing[:8]}")
+        width = max(len(s) for s in slots)
+        table = torch.tensor([s + [s[0]] * (width - len(s)) for s in slots])
+        return table, torch.tensor([len(s) for s in slots])
+
+
+@dataclass
 class MoEBackends:
     """What srv hands a model implementation for its MoE layers (`ModelImpl.moe`): the chosen
     runner and dispatcher and the expert-parallel size. The default (no MoE flags, one rank)
@@ -262,6 +289,7 @@ class MoEBackends:
     runner: MoERunner = field(default_factory=ReferenceRunner)
     dispatcher: MoEDispatcher = field(default_factory=AllReduceDispatcher)
     ep_size: int = 1
+    placement: ExpertPlacement | None = None
     # Called with (layer id, expert ids [tokens, top_k]) of every MoE layer's forward pass when
     # set: the expert distribution recorder's tap.
     on_routed: Any = None
@@ -286,12 +314,17 @@ class FusedMoE(nn.Module):
         self.backends = backends = backends or MoEBackends()
         self.routing, self.activation, self.layer_id = routing, activation, layer_id
         self.num_experts, self.hidden_size = num_experts, hidden_size
+        placement = backends.placement
+        # Physical expert slots: one a logical expert, and the replicas of a placement.
+        self.slot_logical = list(placement.physical_to_logical[layer_id]) if placement is not None \
+            else list(range(num_experts))
+        self.replicas = placement.replica_table(layer_id, num_experts) if placement is not None else None
         ep_size = backends.ep_size
         if parallel.tp_size % ep_size:
             raise ValueError(f"--ep-size {ep_size} must divide --tensor-parallel-size {parallel.tp_size}")
         moe_tp = parallel.tp_size // ep_size
         self.ep_rank, self.moe_tp_rank = divmod(parallel.tp_rank, moe_tp)
-        starts = partition_starts(num_experts, ep_size, what="experts")
+        starts = partition_starts(len(self.slot_logical), ep_size, what="experts")
         self.expert_start = starts[self.ep_rank]
         local = starts[self.ep_rank + 1] - self.expert_start
         inter = partition_starts(intermediate_size, moe_tp, what="intermediate features")
@@ -308,19 +341,19 @@ class FusedMoE(nn.Module):
         return self.w13_weight.shape[0]
 
     def load_expert(self, name: str, expert: int, shard: int, tensor: torch.Tensor) -> bool:
-        """Load checkpoint tensor `name`, shard `shard` (0 gate, 1 up, 2 down) of global expert
-        `expert`; False where another rank holds that expert."""
-        local = expert - self.expert_start
-        if not 0 <= local < self.local_experts:
-            return False
+        """Load checkpoint tensor `name`, shard `shard` (0 gate, 1 up, 2 down) of logical expert
+        `expert` into each of this rank's copies of it; False where it has none."""
+        slots = [slot - self.expert_start for slot in range(self.expert_start, self.expert_start + self.local_experts)
+                 if self.slot_logical[slot] == expert]
         inter = slice(self.inter_start, self.inter_start + self.inter_local)
-        if shard == 2:
-            load_weight(name, self.w2_weight, self.w2_weight.data[local], tensor[:, inter])
-        else:
-            rows = self.w13_weight.data[local, shard * self.inter_local:(shard + 1) * self.inter_local]
-            load_weight(name, self.w13_weight, rows, tensor[inter])
+        for local in slots:   # each of this rank's copies of the expert
+            if shard == 2:
+                load_weight(name, self.w2_weight, self.w2_weight.data[local], tensor[:, inter])
+            else:
+                rows = self.w13_weight.data[local, shard * self.inter_local:(shard + 1) * self.inter_local]
+                load_weight(name, self.w13_weight, rows, tensor[inter])
         self._experts = None
-        return True
+        return bool(slots)
 
     def quantize_int8(self) -> None:
         """Store the experts as int8 with a float32 scale per output channel (symmetric, the
@@ -341,7 +374,7 @@ class FusedMoE(nn.Module):
             int8 = self.w13_scale is not None
             experts = ExpertWeights(self.w13_int8 if int8 else self.w13_weight.data,
                                     self.w2_int8 if int8 else self.w2_weight.data, self.expert_start,
-                                    self.num_experts, self.activation, self.w13_scale, self.w2_scale)
+                                    len(self.slot_logical), self.activation, self.w13_scale, self.w2_scale)
             runner = self.backends.runner
             if ("int8" if int8 else "float") not in runner.weight_formats:
                 raise ValueError(f"the MoE runner {type(runner).__name__} does not take "
@@ -360,6 +393,10 @@ class FusedMoE(nn.Module):
         backends = self.backends
         if backends.on_routed is not None:
             backends.on_routed(self.layer_id, ids)
+        if self.replicas is not None:   # each route to one copy of its expert, by the token's row
+            table, copies = self.replicas
+            rows = torch.arange(ids.shape[0]).unsqueeze(1)
+            ids = table[ids, rows % copies[ids]]
         experts = self.experts()
         dispatched = backends.dispatcher.dispatch(x, weights, ids, experts, self.parallel)
         out = backends.runner.run(dispatched.x, dispatched.weights, dispatched.ids, experts)
