@@ -206,8 +206,8 @@ EXPECTED_NOT_SUPPORTED_YET = {
     "--speculative-draft-model-revision", "--speculative-token-map",
     "--speculative-moe-runner-backend", "--speculative-moe-a2a-backend",
     "--flashinfer-mxfp4-moe-precision", "--enable-flashinfer-allreduce-fusion", "--deepep-mode",
-    "--ep-dispatch-algorithm", "--enable-eplb",
-    "--eplb-algorithm", "--eplb-rebalance-num-iterations", "--eplb-rebalance-layers-per-chunk", "--eplb-min-rebalancing-utilization-threshold",
+
+    "--eplb-algorithm", "--eplb-rebalance-layers-per-chunk", "--eplb-min-rebalancing-utilization-threshold",
     "--deepep-config",
     "--moe-dense-tp-size", "--max-mamba-cache-size", "--mamba-ssm-dtype", "--mamba-full-memory-ratio",
     "--mamba-scheduler-strategy", "--mamba-track-interval",

@@ -256,3 +256,19 @@ def test_redundant_experts_keep_hf_greedy_tokens(tiny_moe_models, tmp_path, tp, 
             layer = engine.runner.model.layers[0].mlp.experts
             assert layer.local_experts == 4 + redundant and layer.slot_logical == [0, 1, 2, 3, 0, 1, 2]
     assert_matches_hf(engine, path, prompts, results)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_eplb_rebalances_while_serving_and_keeps_hf_greedy_tokens(tiny_moe_models, tp, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    path = tiny_moe_models["mixtral"]
+    prompts = random_prompts(4)
+    with srv.Engine(model_path=str(path), dtype="float32", tp_size=tp, ep_size=tp, enable_eplb=True,
+                    eplb_rebalance_num_iterations=2, ep_num_redundant_experts=2) as engine:
+        results = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+        again = engine.generate(input_ids=prompts, sampling_params=GREEDY)   # on the new placements
+        layers = [layer.mlp.experts for layer in engine.runner.model.layers]
+        assert any(layer.slot_logical != [0, 1, 2, 3, 0, 1] for layer in layers)   # rebalanced
+        assert all(sorted(set(layer.slot_logical)) == [0, 1, 2, 3] for layer in layers)
+    assert_matches_hf(engine, path, prompts, results)
+    assert [r["output_ids"] for r in again] == [r["output_ids"] for r in results]

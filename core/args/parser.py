@@ -209,6 +209,9 @@ def parallel_refusals(args: argparse.Namespace) -> list[str]:
     if ep < 1 or tp % ep:
         refused.append(f"--ep-size {ep} must divide --tensor-parallel-size {tp}: each group of "
                        f"--tensor-parallel-size / --ep-size ranks holds a share of the experts")
+    if args.ep_dispatch_algorithm not in (None, "static"):
+        refused.append(f"--ep-dispatch-algorithm {args.ep_dispatch_algorithm}: srv sends a route to a replicated "
+                       "expert's copy by the token's row (static); dynamic dispatch is not supported yet")
     if tp * pp > 1:
         # These read or change one rank's model or KV pool; the others would not follow.
         layout = "--tensor-parallel-size > 1" if tp > 1 else "--pipeline-parallel-size > 1"

@@ -44,7 +44,7 @@ def balancedness(counts: torch.Tensor) -> float:
 
 class ExpertDistributionRecorder:
     def __init__(self, mode: str | None, buffer_size: int | None, num_layers: int, num_experts: int,
-                 metrics: bool = False) -> None:
+                 metrics: bool = False, rebalance_every: int | None = None) -> None:
         if mode is not None and mode not in MODES:
             raise ValueError(f"--expert-distribution-recorder-mode {mode!r} is not one of {', '.join(MODES)}")
         self.mode = mode or "stat"
@@ -55,6 +55,10 @@ class ExpertDistributionRecorder:
         self._window = torch.zeros(num_layers, num_experts, dtype=torch.int64)   # for the metric
         self._window_passes = 0
         self.last_balancedness: float | None = None
+        # --enable-eplb: the counts since the last rebalance, handed out every `rebalance_every` passes.
+        self.rebalance_every = rebalance_every
+        self._since_rebalance = torch.zeros(num_layers, num_experts, dtype=torch.int64)
+        self._passes_since_rebalance = 0
 
     def _reset(self) -> None:
         self._counts = torch.zeros(self.num_layers, self.num_experts, dtype=torch.int64)
@@ -63,7 +67,7 @@ class ExpertDistributionRecorder:
 
     @property
     def active(self) -> bool:
-        return self.recording or self.metrics
+        return self.recording or self.metrics or self.rebalance_every is not None
 
     # ---- the tap and the step boundary ----------------------------------------------------------
 
@@ -71,6 +75,8 @@ class ExpertDistributionRecorder:
         counts = torch.bincount(ids.flatten(), minlength=self.num_experts)
         if self.metrics:
             self._window[layer] += counts
+        if self.rebalance_every is not None:
+            self._since_rebalance[layer] += counts
         if not self.recording:
             return
         if self.mode in ("stat", "stat_approx"):
@@ -84,8 +90,9 @@ class ExpertDistributionRecorder:
         else:
             self._pass[layer] = ids.tolist()
 
-    def after_pass(self) -> None:
-        """A forward pass ended (a scheduler step)."""
+    def after_pass(self) -> torch.Tensor | None:
+        """A forward pass ended (a scheduler step); with --enable-eplb, every `rebalance_every`
+        passes that routed tokens, the counts to rebalance by."""
         if self._pass is not None:
             self._passes.append(self._pass)
             self._pass = None
@@ -99,6 +106,14 @@ class ExpertDistributionRecorder:
                             self.last_balancedness, self._window_passes)
                 self._window.zero_()
                 self._window_passes = 0
+        if self.rebalance_every is not None and int(self._since_rebalance.sum()):
+            self._passes_since_rebalance += 1
+            if self._passes_since_rebalance >= self.rebalance_every:
+                counts = self._since_rebalance.clone()
+                self._since_rebalance.zero_()
+                self._passes_since_rebalance = 0
+                return counts
+        return None
 
     # ---- the routes ---------------------------------------------------------------------------------
 

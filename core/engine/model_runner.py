@@ -19,7 +19,7 @@ from srv.engine.expert_location import expert_placement
 from srv.engine.lora import LoRAAdapter, LoRAManager, lora_target_modules, parse_lora_paths
 from srv.engine.pooling import Pooling
 from srv.sdk.attention import AttentionBackend, ForwardBatch, ForwardMode, KVCache, KVCacheDtype
-from srv.sdk.moe import MoEBackends, config_num_experts
+from srv.sdk.moe import FusedMoE, MoEBackends, config_num_experts
 from srv.sdk.models import ModelConfig, ModelImpl, ModelLoader, ModelOutput, materialize
 from srv.sdk.parallel import ParallelContext, is_collective_failure
 from srv.sdk.quantization import QuantizationMethod
@@ -258,7 +258,14 @@ class ModelRunner:
             return MoEBackends()
         return MoEBackends(self.registry.choose("moe_runner", args.moe_runner_backend).create(args),
                            self.registry.choose("moe_a2a", args.moe_a2a_backend).create(args),
-                           args.expert_parallel_size, expert_placement(args, self.config))
+                           args.expert_parallel_size, expert_placement(args, self.config), bool(args.enable_eplb))
+
+    def set_expert_placement(self, physical_to_logical: list[list[int]]) -> None:
+        """Every rank's MoE layers take a new placement of their experts (--enable-eplb)."""
+        self._broadcast("set_expert_placement", physical_to_logical=physical_to_logical)
+        layers = [m for m in self.model.modules() if isinstance(m, FusedMoE)]
+        for layer in layers:
+            layer.place(physical_to_logical[layer.layer_id])
 
     def _load_config(self) -> ModelConfig:
         return ModelConfig.read(self.model_dir, json.loads(self.args.json_model_override_args or "{}"),

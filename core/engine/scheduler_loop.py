@@ -15,7 +15,8 @@ import time
 from typing import Any, Callable
 
 from srv.engine.io import AbortRequest, ControlRequest, ControlResult, GenerateRequest, RequestOutput
-from srv.engine.expert_distribution import ExpertDistributionRecorder
+from srv.engine.expert_distribution import ExpertDistributionRecorder, balancedness
+from srv.engine.expert_location import plan_placement
 from srv.engine.profiler import StepProfiler
 from srv.sdk.moe import config_num_experts
 from srv.engine.request import Req
@@ -119,7 +120,9 @@ class SchedulerLoop:
         outputs = [self._output(req) for req in self.scheduler.take_failed() + stepped]
         self.profiler.after_step()
         if self.experts is not None and self.experts.active:
-            self.experts.after_pass()
+            counts = self.experts.after_pass()
+            if counts is not None:
+                self._rebalance_experts(counts)
         now, stats = time.monotonic(), self.scheduler.stats
         self._generated.append((now, stats.generated_tokens))
         while now - self._generated[0][0] > THROUGHPUT_WINDOW_S:
@@ -303,10 +306,20 @@ class SchedulerLoop:
         recorder = ExpertDistributionRecorder(args.expert_distribution_recorder_mode,
                                               args.expert_distribution_recorder_buffer_size,
                                               config.num_hidden_layers, experts,
-                                              bool(args.enable_expert_distribution_metrics))
+                                              bool(args.enable_expert_distribution_metrics),
+                                              args.eplb_rebalance_num_iterations if args.enable_eplb else None)
         if recorder.active:
             runner.moe.on_routed = recorder.on_routed
         return recorder
+
+    def _rebalance_experts(self, counts: Any) -> None:
+        """--enable-eplb: place the experts anew by the tokens they received since the last time."""
+        args, runner = self.scheduler.args, self.scheduler.runner
+        num_physical = counts.shape[1] + (args.ep_num_redundant_experts or 0)
+        started = time.monotonic()
+        runner.set_expert_placement(plan_placement(counts, num_physical, args.expert_parallel_size))
+        logger.info("expert placement rebalanced by %d routed tokens in %.3fs (balancedness %.3f before)",
+                    int(counts.sum()), time.monotonic() - started, balancedness(counts))
 
     def _recorder(self) -> ExpertDistributionRecorder:
         if self.experts is None:

@@ -276,8 +276,9 @@ class ExpertPlacement:
         if missing:
             raise ValueError(f"the expert placement of layer {layer} holds no copy of experts {missing[:8]}")
         width = max(len(s) for s in slots)
-        table = torch.tensor([s + [s[0]] * (width - len(s)) for s in slots])
-        return table, torch.tensor([len(s) for s in slots])
+        # On the CPU even while a model is built on the meta device: the routes index them.
+        table = torch.tensor([s + [s[0]] * (width - len(s)) for s in slots], device="cpu")
+        return table, torch.tensor([len(s) for s in slots], device="cpu")
 
 
 @dataclass
@@ -290,6 +291,9 @@ class MoEBackends:
     dispatcher: MoEDispatcher = field(default_factory=AllReduceDispatcher)
     ep_size: int = 1
     placement: ExpertPlacement | None = None
+    # --enable-eplb: each layer keeps every expert's weights in host memory, so that a new
+    # placement (`FusedMoE.place`) can put any expert in any of its slots without a transfer.
+    rebalancing: bool = False
     # Called with (layer id, expert ids [tokens, top_k]) of every MoE layer's forward pass when
     # set: the expert distribution recorder's tap.
     on_routed: Any = None
@@ -335,6 +339,12 @@ class FusedMoE(nn.Module):
         self.w13_scale: torch.Tensor | None = None
         self.w2_scale: torch.Tensor | None = None
         self._experts: ExpertWeights | None = None
+        # Every logical expert's weights (this rank's features), for a placement to come.
+        if backends.rebalancing:
+            self.register_buffer("w13_logical", torch.empty(num_experts, 2 * self.inter_local, hidden_size),
+                                 persistent=False)
+            self.register_buffer("w2_logical", torch.empty(num_experts, hidden_size, self.inter_local),
+                                 persistent=False)
 
     @property
     def local_experts(self) -> int:
@@ -346,6 +356,13 @@ class FusedMoE(nn.Module):
         slots = [slot - self.expert_start for slot in range(self.expert_start, self.expert_start + self.local_experts)
                  if self.slot_logical[slot] == expert]
         inter = slice(self.inter_start, self.inter_start + self.inter_local)
+        if hasattr(self, "w13_logical"):
+            if shard == 2:
+                load_weight(name, self.w2_logical, self.w2_logical[expert], tensor[:, inter])
+            else:
+                load_weight(name, self.w13_logical,
+                            self.w13_logical[expert, shard * self.inter_local:(shard + 1) * self.inter_local],
+                            tensor[inter])
         for local in slots:   # each of this rank's copies of the expert
             if shard == 2:
                 load_weight(name, self.w2_weight, self.w2_weight.data[local], tensor[:, inter])
@@ -353,19 +370,44 @@ class FusedMoE(nn.Module):
                 rows = self.w13_weight.data[local, shard * self.inter_local:(shard + 1) * self.inter_local]
                 load_weight(name, self.w13_weight, rows, tensor[inter])
         self._experts = None
-        return bool(slots)
+        return bool(slots) or hasattr(self, "w13_logical")
+
+    def place(self, slot_logical: list[int]) -> None:
+        """Hold the experts of a new placement (--enable-eplb): slot i the copy of logical expert
+        `slot_logical[i]`, this rank's slots filled from the host copy of every expert."""
+        if not hasattr(self, "w13_logical"):
+            raise ValueError("a new expert placement needs every expert's weights: launch with --enable-eplb")
+        if len(slot_logical) != len(self.slot_logical):
+            raise ValueError(f"a placement of {len(slot_logical)} slots for a layer of {len(self.slot_logical)}")
+        self.slot_logical = list(slot_logical)
+        self.replicas = ExpertPlacement([self.slot_logical]).replica_table(0, self.num_experts)
+        mine = torch.tensor(self.slot_logical[self.expert_start:self.expert_start + self.local_experts])
+        if self.w13_scale is not None:
+            self.w13_int8, self.w13_scale = self._logical_int8["w13"][0][mine], self._logical_int8["w13"][1][mine]
+            self.w2_int8, self.w2_scale = self._logical_int8["w2"][0][mine], self._logical_int8["w2"][1][mine]
+        else:
+            self.w13_weight.data = self.w13_logical[mine].contiguous()
+            self.w2_weight.data = self.w2_logical[mine].contiguous()
+        self._experts = None
 
     def quantize_int8(self) -> None:
         """Store the experts as int8 with a float32 scale per output channel (symmetric, the
         largest magnitude of a row to 127): a quantization method's `apply` calls it."""
-        for name in ("w13", "w2"):
-            weight = getattr(self, f"{name}_weight").data.float()
+        def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            weight = weight.float()
             scale = weight.abs().amax(dim=-1).clamp(min=1e-10) / 127.0
-            quantized = (weight / scale[..., None]).round().clamp(-127, 127).to(torch.int8)
+            return (weight / scale[..., None]).round().clamp(-127, 127).to(torch.int8), scale
+
+        for name in ("w13", "w2"):
+            quantized, scale = quantize(getattr(self, f"{name}_weight").data)
             # Plain attributes: the cast to the served dtype must leave them as they are.
             delattr(self, f"{name}_weight")
             setattr(self, f"{name}_int8", quantized)
             setattr(self, f"{name}_scale", scale)
+        if hasattr(self, "w13_logical"):
+            self._logical_int8 = {name: quantize(getattr(self, f"{name}_logical")) for name in ("w13", "w2")}
+            del self.w13_logical, self.w2_logical
+            self.w13_logical = self.w2_logical = None   # placement reads the int8 copies
         self._experts = None
 
     def experts(self) -> ExpertWeights:
