@@ -105,7 +105,7 @@ def test_new_plugin_refuses_unknown_families_and_bad_names(tmp_path):
     assert run_srv("plugins", "new", "attention", "1bad", "--dir", str(tmp_path / "b")).returncode == 2
 
 
-@pytest.mark.parametrize("family", ["eviction_policy", "hicache_storage", "lora_backend", "schedule_policy",
-                                    "speculative_algorithm"])
+@pytest.mark.parametrize("family", ["eviction_policy", "hicache_storage", "lora_backend", "moe_runner",
+                                    "schedule_policy", "speculative_algorithm"])
 def test_every_template_gives_a_package_that_passes_its_kit(tmp_path, family):
     run_package_tests(new_package(tmp_path, family, "demo"))

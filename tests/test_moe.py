@@ -21,7 +21,7 @@ from srv.sdk.parallel import ParallelContext
 from test_engine import GREEDY, assert_all_kv_returned, assert_matches_hf, random_prompts
 from test_server import AUTH, Server
 
-RUNNERS = ["torch"]
+RUNNERS = ["fused_cpu", "torch"]
 
 
 def test_softmax_routing_is_hf_transformers_router():
@@ -166,6 +166,7 @@ def test_transformers_5_stacked_expert_layout_loads(tmp_path, default_model_dir)
                   bos_token_id=1, eos_token_id=2, initializer_range=0.3)
     torch.manual_seed(1)
     model = tiny_moe("qwen3_moe", common)
+    model.config.architectures = [type(model).__name__]   # save_pretrained would write it
     model.config.save_pretrained(tmp_path)
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     assert "model.layers.0.mlp.experts.gate_up_proj" in state

@@ -24,16 +24,18 @@ from srv.sdk.cache import EvictionPolicy, HiCacheStorage, HiCacheStorageConfig
 from srv.sdk.scheduling import SchedulePolicy
 import test_grammar_backends
 import test_lora
+import test_moe_runners
 import test_reasoning
 import test_speculative
 import test_tool_parsers
 from srv.sdk.testing import (AttentionBackendKit, EvictionPolicyKit, GrammarBackendKit, HiCacheStorageKit,
-                             ModelImplKit, ModelLoaderKit, LoRABackendKit, QuantizationMethodKit, ReasoningParserKit,
+                             ModelImplKit, ModelLoaderKit, LoRABackendKit, MoERunnerKit, QuantizationMethodKit, ReasoningParserKit,
                              SamplerKit, SchedulePolicyKit,
                              SpeculativeAlgorithmKit,
                              ToolCallParserKit, hf_greedy,
                              registered_temporarily, tiny_llama, write_tiny_llama)
 from srv.plugins.cache import SERVICE_STORES
+from srv.plugins.moe import GPU_RUNNERS
 from srv.plugins.quantization import GPU_ONLY
 from srv.plugins.quantization.gguf import GGUFLinear, GGUFQuantization
 
@@ -212,7 +214,7 @@ class TestGGUFQuantizationQ8_0(QuantizationMethodKit):
 KIT_FAMILIES = {AttentionBackendKit: "attention", SamplerKit: "sampling", EvictionPolicyKit: "eviction_policy",
                 SchedulePolicyKit: "schedule_policy", ModelLoaderKit: "load_format", ModelImplKit: "model_impl",
                 GrammarBackendKit: "grammar", ToolCallParserKit: "tool_call_parser",
-                ReasoningParserKit: "reasoning_parser", LoRABackendKit: "lora_backend",
+                ReasoningParserKit: "reasoning_parser", LoRABackendKit: "lora_backend", MoERunnerKit: "moe_runner",
                 QuantizationMethodKit: "quantization", SpeculativeAlgorithmKit: "speculative_algorithm",
                 HiCacheStorageKit: "hicache_storage"}
 NOT_KIT_TESTED = {("load_format", "gguf"): "needs a GGUF writer for make_checkpoint (tests/test_gguf_convert.py)",
@@ -220,13 +222,15 @@ NOT_KIT_TESTED = {("load_format", "gguf"): "needs a GGUF writer for make_checkpo
                   ("grammar", "none"): "refuses every grammar by design (tests/test_structured_output.py)",
                   **{("quantization", name): "GPU kernels only: unavailable on CPU" for name in GPU_ONLY},
                   **{("lora_backend", name): "GPU kernels only: unavailable on CPU" for name in ("triton", "csgmv")},
+                  **{("moe_runner", name): "GPU kernels only: unavailable on CPU" for name in GPU_RUNNERS},
                   **{("hicache_storage", name): "needs its service and client" for name in SERVICE_STORES}}
 
 
 def test_every_builtin_backend_of_a_kit_family_is_tested():
     # Some families' kit classes live beside their other tests.
-    classes = [*globals().values(), *(cls for module in (test_grammar_backends, test_lora, test_reasoning,
-                                                         test_speculative, test_tool_parsers) for cls in vars(module).values())]
+    classes = [*globals().values(), *(cls for module in (test_grammar_backends, test_lora, test_moe_runners,
+                                                         test_reasoning, test_speculative, test_tool_parsers)
+                                      for cls in vars(module).values())]
     tested = {(family, cls.backend_name) for cls in classes if isinstance(cls, type)
               and cls.__name__.startswith("Test") for kit_class, family in KIT_FAMILIES.items()
               if issubclass(cls, kit_class)}

@@ -19,6 +19,7 @@ KITS = {
     "eviction_policy": ("EvictionPolicyKit", "A prefix-cache eviction policy"),
     "hicache_storage": ("HiCacheStorageKit", "A hierarchical-cache storage backend"),
     "lora_backend": ("LoRABackendKit", "A multi-LoRA kernel"),
+    "moe_runner": ("MoERunnerKit", "A MoE expert runner"),
     "schedule_policy": ("SchedulePolicyKit", "A request scheduling policy"),
     "speculative_algorithm": ("SpeculativeAlgorithmKit", "A speculative decoding algorithm"),
 }

@@ -18,6 +18,7 @@ backend, and pytest runs every check of the kit on it::
 | ToolCallParserKit | tool_call_parser | backend_name or parser_factory | its own format_calls |
 | ReasoningParserKit | reasoning_parser | backend_name or parser_factory | its own format |
 | LoRABackendKit | lora_backend | backend_name or backend_factory | the plain products (float64) |
+| MoERunnerKit | moe_runner | backend_name or backend_factory | srv.sdk.moe.run_experts_reference |
 | SchedulePolicyKit | schedule_policy | backend_name or policy_factory | (contract only) |
 | ModelLoaderKit | load_format | backend_name or loader_factory, make_checkpoint | transformers |
 | ModelImplKit | model_impl | backend_name or impl_factory, make_model_dir | transformers |
@@ -34,7 +35,7 @@ import pytest
 
 # The kits' plain `assert`s get pytest's detailed messages (registered before they are imported).
 pytest.register_assert_rewrite(*(f"{__name__}.{m}" for m in ("attention", "cache", "grammar", "hicache_storage",
-                                                             "models", "lora", "quantization", "reasoning",
+                                                             "models", "lora", "moe", "quantization", "reasoning",
                                                              "sampling", "scheduling", "speculative", "tools")))
 
 from srv.sdk.testing.attention import AttentionBackendKit  # noqa: E402
@@ -43,6 +44,7 @@ from srv.sdk.testing.grammar import GrammarBackendKit  # noqa: E402
 from srv.sdk.testing.hicache_storage import HiCacheStorageKit  # noqa: E402
 from srv.sdk.testing.lora import LoRABackendKit  # noqa: E402
 from srv.sdk.testing.models import ModelImplKit, ModelLoaderKit  # noqa: E402
+from srv.sdk.testing.moe import MoERunnerKit  # noqa: E402
 from srv.sdk.testing.quantization import QuantizationMethodKit  # noqa: E402
 from srv.sdk.testing.reasoning import ReasoningParserKit  # noqa: E402
 from srv.sdk.testing.registry import registered_temporarily  # noqa: E402
@@ -61,6 +63,7 @@ __all__ = [
     "LoRABackendKit",
     "ModelImplKit",
     "ModelLoaderKit",
+    "MoERunnerKit",
     "QuantizationMethodKit",
     "ReasoningParserKit",
     "SamplerKit",

@@ -1,0 +1,194 @@
+/* srv's fused MoE runner: one call a layer groups the routes by expert, gathers each expert's
+ * rows, runs gate/up, the activation and down for every expert, and adds each route's weighted
+ * output into its token's row.
+ *
+ * Decode batches are bound by the bytes of the expert weights, so each weight row is read once
+ * for all the rows routed to its expert (it stays in L1 while they pass), and the work is split
+ * over (expert, block of weight rows) items so that both cores stay busy even when one expert
+ * has every token. Weights are float32, bfloat16 (widened on the fly) or int8 with a float32
+ * scale per output row; activations and sums are float32.
+ *
+ * The dot products are compiled three times (AVX-512, AVX2+FMA, portable) and picked at run time
+ * from the CPU's flags; srv_moe_set_isa forces one (the tests check the portable one).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { WEIGHT_F32 = 0, WEIGHT_BF16 = 1, WEIGHT_I8 = 2 };
+enum { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
+
+typedef struct {
+    int64_t tokens, top_k, hidden, inter, local, start, weight_type, activation;   /* activation: 0 silu, 1 gelu (tanh) */
+    const void *w13;      /* [local][2 * inter][hidden] */
+    const void *w2;       /* [local][hidden][inter] */
+    const float *w13_scale, *w2_scale;   /* int8: [local][2 * inter], [local][hidden] */
+    const float *x;       /* [tokens][hidden] */
+    const int64_t *ids;   /* [tokens][top_k], global expert ids */
+    const float *weights; /* [tokens][top_k] */
+    float *out;           /* [tokens][hidden], zeroed by the caller */
+} MoEArgs;
+
+static inline float bf16_to_float(uint16_t v) {
+    union { uint32_t u; float f; } c;
+    c.u = (uint32_t)v << 16;
+    return c.f;
+}
+
+/* y[r * y_stride] = w . x[r] for the n rows of x (each `len` long, `len` apart), four rows at a
+ * time so that each weight value loaded serves four products. */
+#define DOT_ROWS_OF(TYPE, NAME, SUFFIX, ATTR, LOAD)                                                       \
+    ATTR static void NAME##_##SUFFIX(const TYPE *w, const float *x, int64_t n, int64_t len, float *y,     \
+                                     int64_t y_stride) {                                                 \
+        int64_t r = 0;                                                                                   \
+        for (; r + 4 <= n; r += 4) {                                                                     \
+            const float *x0 = x + r * len, *x1 = x0 + len, *x2 = x1 + len, *x3 = x2 + len;               \
+            float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;                                            \
+            _Pragma("omp simd reduction(+:a0,a1,a2,a3)") for (int64_t i = 0; i < len; i++) {             \
+                float v = LOAD(w[i]);                                                                    \
+                a0 += v * x0[i]; a1 += v * x1[i]; a2 += v * x2[i]; a3 += v * x3[i];                      \
+            }                                                                                            \
+            y[r * y_stride] = a0; y[(r + 1) * y_stride] = a1;                                            \
+            y[(r + 2) * y_stride] = a2; y[(r + 3) * y_stride] = a3;                                      \
+        }                                                                                                \
+        for (; r < n; r++) {                                                                             \
+            const float *xr = x + r * len;                                                               \
+            float acc = 0.0f;                                                                            \
+            _Pragma("omp simd reduction(+:acc)") for (int64_t i = 0; i < len; i++) acc += LOAD(w[i]) * xr[i]; \
+            y[r * y_stride] = acc;                                                                       \
+        }                                                                                                \
+    }
+#define AS_FLOAT(v) ((float)(v))
+#define DOT_ROWS(SUFFIX, ATTR)                                         \
+    DOT_ROWS_OF(float, dots_f32, SUFFIX, ATTR, AS_FLOAT)              \
+    DOT_ROWS_OF(uint16_t, dots_bf16, SUFFIX, ATTR, bf16_to_float)     \
+    DOT_ROWS_OF(int8_t, dots_i8, SUFFIX, ATTR, AS_FLOAT)
+
+DOT_ROWS(portable, )
+DOT_ROWS(avx2, __attribute__((target("avx2,fma"))))
+DOT_ROWS(avx512, __attribute__((target("avx512f,avx512bw"))))
+
+static int isa = -1;
+
+int srv_moe_best_isa(void) {
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")) return ISA_AVX512;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return ISA_AVX2;
+    return ISA_PORTABLE;
+}
+
+void srv_moe_set_isa(int level) { isa = level; }
+
+/* Row `row` of a [rows][len] weight matrix of the given type, dotted with n rows of x. */
+static void dots(int64_t type, const void *w, int64_t row, const float *x, int64_t n, int64_t len, float *y,
+                 int64_t y_stride) {
+    if (isa < 0) isa = srv_moe_best_isa();
+    if (type == WEIGHT_F32) {
+        const float *r = (const float *)w + row * len;
+        if (isa == ISA_AVX512) dots_f32_avx512(r, x, n, len, y, y_stride);
+        else if (isa == ISA_AVX2) dots_f32_avx2(r, x, n, len, y, y_stride);
+        else dots_f32_portable(r, x, n, len, y, y_stride);
+    } else if (type == WEIGHT_BF16) {
+        const uint16_t *r = (const uint16_t *)w + row * len;
+        if (isa == ISA_AVX512) dots_bf16_avx512(r, x, n, len, y, y_stride);
+        else if (isa == ISA_AVX2) dots_bf16_avx2(r, x, n, len, y, y_stride);
+        else dots_bf16_portable(r, x, n, len, y, y_stride);
+    } else {
+        const int8_t *r = (const int8_t *)w + row * len;
+        if (isa == ISA_AVX512) dots_i8_avx512(r, x, n, len, y, y_stride);
+        else if (isa == ISA_AVX2) dots_i8_avx2(r, x, n, len, y, y_stride);
+        else dots_i8_portable(r, x, n, len, y, y_stride);
+    }
+}
+
+#define BLOCK_ROWS 16   /* weight rows an item: enough items to share, few enough to keep each cheap */
+
+/* Products of every (expert, block of `rows` weight rows) item: out_rows[r][j] = W_e[j] . in[r]. */
+static void expert_products(const MoEArgs *a, const void *w, const float *scale, int64_t rows, int64_t len,
+                            const int64_t *offsets, const float *in, float *out) {
+    int64_t blocks = (rows + BLOCK_ROWS - 1) / BLOCK_ROWS;
+    int64_t items = a->local * blocks;
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t item = 0; item < items; item++) {
+        int64_t e = item / blocks, first = (item % blocks) * BLOCK_ROWS;
+        int64_t n = offsets[e + 1] - offsets[e];
+        if (n == 0) continue;
+        int64_t last = first + BLOCK_ROWS < rows ? first + BLOCK_ROWS : rows;
+        const float *x = in + offsets[e] * len;
+        float *y = out + offsets[e] * rows;
+        for (int64_t j = first; j < last; j++) {
+            dots(a->weight_type, w, e * rows + j, x, n, len, y + j, rows);
+            if (scale) {
+                float s = scale[e * rows + j];
+                for (int64_t r = 0; r < n; r++) y[r * rows + j] *= s;
+            }
+        }
+    }
+}
+
+/* Returns 0, or -1 when scratch memory could not be had. */
+int srv_moe_run(const MoEArgs *a) {
+    const int64_t routes = a->tokens * a->top_k, hidden = a->hidden, inter = a->inter, local = a->local;
+    int64_t *offsets = calloc((size_t)local + 2, sizeof(int64_t));
+    int64_t *route_token = malloc(sizeof(int64_t) * (size_t)(routes ? routes : 1));
+    float *route_weight = malloc(sizeof(float) * (size_t)(routes ? routes : 1));
+    if (!offsets || !route_token || !route_weight) {
+        free(offsets); free(route_token); free(route_weight);
+        return -1;
+    }
+    /* Counting sort of the routes this rank holds, by expert, stable in token order. */
+    for (int64_t r = 0; r < routes; r++) {
+        int64_t e = a->ids[r] - a->start;
+        if (e >= 0 && e < local) offsets[e + 1]++;
+    }
+    for (int64_t e = 0; e < local; e++) offsets[e + 1] += offsets[e];
+    int64_t held = offsets[local];
+    int64_t *fill = calloc((size_t)local + 1, sizeof(int64_t));
+    float *rows = malloc(sizeof(float) * (size_t)(held ? held : 1) * (size_t)hidden);
+    float *gate_up = malloc(sizeof(float) * (size_t)(held ? held : 1) * (size_t)(2 * inter));
+    float *act = malloc(sizeof(float) * (size_t)(held ? held : 1) * (size_t)inter);
+    float *down = malloc(sizeof(float) * (size_t)(held ? held : 1) * (size_t)hidden);
+    int status = 0;
+    if (!fill || !rows || !gate_up || !act || !down) {
+        status = -1;
+        goto done;
+    }
+    for (int64_t r = 0; r < routes; r++) {
+        int64_t e = a->ids[r] - a->start;
+        if (e >= 0 && e < local) {
+            int64_t slot = offsets[e] + fill[e]++;
+            route_token[slot] = r / a->top_k;
+            route_weight[slot] = a->weights[r];
+        }
+    }
+#pragma omp parallel for
+    for (int64_t s = 0; s < held; s++)
+        memcpy(rows + s * hidden, a->x + route_token[s] * hidden, sizeof(float) * (size_t)hidden);
+    expert_products(a, a->w13, a->w13_scale, 2 * inter, hidden, offsets, rows, gate_up);
+#pragma omp parallel for
+    for (int64_t s = 0; s < held; s++) {
+        const float *g = gate_up + s * 2 * inter, *u = g + inter;
+        float *o = act + s * inter;
+        if (a->activation == 0) {
+            for (int64_t i = 0; i < inter; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+        } else {
+            for (int64_t i = 0; i < inter; i++) {
+                float v = g[i];
+                o[i] = 0.5f * v * (1.0f + tanhf(0.7978845608028654f * (v + 0.044715f * v * v * v))) * u[i];
+            }
+        }
+    }
+    expert_products(a, a->w2, a->w2_scale, hidden, inter, offsets, act, down);
+    /* In expert order, as the reference adds them: each token's sum has the same order. */
+    for (int64_t s = 0; s < held; s++) {
+        float *o = a->out + route_token[s] * hidden;
+        const float *d = down + s * hidden;
+        float w = route_weight[s];
+        for (int64_t i = 0; i < hidden; i++) o[i] += d[i] * w;
+    }
+done:
+    free(offsets); free(route_token); free(route_weight); free(fill);
+    free(rows); free(gate_up); free(act); free(down);
+    return status;
+}
