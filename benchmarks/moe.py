@@ -5,9 +5,14 @@ Mixtral of 8 experts, top-2, hidden 1024, expert width 1408, 12 layers, about 0.
 float32, the default model's tokenizer. Each configuration runs in a process of its own (so no
 engine's threads or memory touch another's), one after another within each repetition:
 
-- srv with no runner flag (the runner picked by priority: the fused CPU runner where a C
-  compiler is found), and srv with `--moe-runner-backend torch` (the reference runner);
-- HF transformers `generate` on the same weights, greedy, its batch the number of streams.
+- `srv`: srv's defaults (`--dtype auto`: bfloat16 where the CPU computes it natively, else
+  float32; the runner picked by priority: the fused CPU runner where a C compiler is found);
+- `srv-f32`: `--dtype float32`, and `srv-torch-f32`: float32 with `--moe-runner-backend torch`
+  (the reference runner);
+- `hf`: HF transformers `generate` on the same weights in float32 with its default experts
+  implementation (grouped products in transformers 5), `hf-eager` with its per-expert loop
+  (`experts_implementation="eager"`), and `hf-bf16` in bfloat16, greedy, its batch the number of
+  streams.
 
 Both take the same prompts (random token ids, INPUT_LEN each) and write OUTPUT_LEN tokens each,
 never stopping early; output tok/s is the tokens written over the wall time of the whole call
@@ -40,7 +45,7 @@ CONFIG = dict(vocab_size=49152, hidden_size=1024, intermediate_size=1408, num_hi
 INPUT_LEN = 64
 OUTPUT_LEN = 64
 STREAMS = (1, 16)
-CONFIGS = ("srv", "srv-torch", "hf")
+CONFIGS = ("srv", "srv-f32", "srv-torch-f32", "hf", "hf-eager", "hf-bf16")
 SEED = 0
 
 
@@ -89,17 +94,17 @@ class BlockTimer:
         self.total += time.perf_counter() - self._start
 
 
-def measure_srv(model_dir: Path, runner: str | None) -> dict[str, Any]:
+def measure_srv(model_dir: Path, flags: dict[str, Any]) -> dict[str, Any]:
     import srv
 
-    flags: dict[str, Any] = {"dtype": "float32", "chunked_prefill_size": 16 * INPUT_LEN}
-    if runner:
-        flags["moe_runner_backend"] = runner
+    # One chunk holds all the 16-stream prompts, so every configuration prefills them at once.
+    flags = {"chunked_prefill_size": 16 * INPUT_LEN, **flags}
     params = {"temperature": 0.0, "max_new_tokens": OUTPUT_LEN, "ignore_eos": True}
     result: dict[str, Any] = {}
     with srv.Engine(model_path=str(model_dir), **flags) as engine:
         model = engine.runner.model
         result["runner"] = type(model.layers[0].mlp.experts.backends.runner).__name__
+        result["dtype"] = str(next(model.parameters()).dtype)
         engine.generate(input_ids=prompts(1), sampling_params={**params, "max_new_tokens": 4})   # warm-up
         for streams in STREAMS:
             start = time.perf_counter()
@@ -116,12 +121,14 @@ def measure_srv(model_dir: Path, runner: str | None) -> dict[str, Any]:
     return result
 
 
-def measure_hf(model_dir: Path) -> dict[str, Any]:
+def measure_hf(model_dir: Path, dtype: str, experts: str | None) -> dict[str, Any]:
     import torch
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    result: dict[str, Any] = {"experts_implementation": str(getattr(model.config, "_experts_implementation", ""))}
+    kwargs = {"experts_implementation": experts} if experts else {}
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype), **kwargs).eval()
+    result: dict[str, Any] = {"experts_implementation": str(getattr(model.config, "_experts_implementation", "")),
+                              "dtype": dtype}
 
     def generate(streams: int, new_tokens: int) -> int:
         ids = torch.tensor(prompts(streams))
@@ -145,9 +152,14 @@ def measure_hf(model_dir: Path) -> dict[str, Any]:
 
 
 def measure(config: str, model_dir: Path) -> dict[str, Any]:
-    if config == "hf":
-        return measure_hf(model_dir)
-    return measure_srv(model_dir, "torch" if config == "srv-torch" else None)
+    return {
+        "srv": lambda: measure_srv(model_dir, {}),
+        "srv-f32": lambda: measure_srv(model_dir, {"dtype": "float32"}),
+        "srv-torch-f32": lambda: measure_srv(model_dir, {"dtype": "float32", "moe_runner_backend": "torch"}),
+        "hf": lambda: measure_hf(model_dir, "float32", None),
+        "hf-eager": lambda: measure_hf(model_dir, "float32", "eager"),
+        "hf-bf16": lambda: measure_hf(model_dir, "bfloat16", None),
+    }[config]()
 
 
 def run_one(config: str, model_dir: Path) -> dict[str, Any]:
@@ -186,7 +198,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def report(runs: list[dict[str, Any]], configs: list[str]) -> str:
-    """A markdown table of medians, and each repetition's ratios of srv's default to the others."""
+    """A markdown table of medians, and each repetition's ratios (srv's default to the others, srv's float32 to the float32 peers)."""
     lines = ["| configuration | " + " | ".join(f"{s} stream{'s' * (s > 1)}, output tok/s" for s in STREAMS)
              + " | " + " | ".join(f"MoE share, {s}" for s in STREAMS) + " |",
              "| --- |" + " ---: |" * (2 * len(STREAMS))]
@@ -197,12 +209,15 @@ def report(runs: list[dict[str, Any]], configs: list[str]) -> str:
         lines.append(f"| {config} | " + " | ".join(cells) + " |")
     reps = sorted({r["rep"] for r in runs})
     by = {(r["config"], r["rep"]): r for r in runs}
-    for other in [c for c in configs if c != "srv"]:
+    # srv's default against every other row; float32 srv against the float32 peers (same arithmetic).
+    pairs = [("srv", other) for other in configs if other != "srv"] + \
+            [("srv-f32", other) for other in ("srv-torch-f32", "hf", "hf-eager")]
+    for mine, other in pairs:
         for s in STREAMS:
-            ratios = [by[("srv", rep)][f"c{s}_tok_s"] / by[(other, rep)][f"c{s}_tok_s"]
-                      for rep in reps if ("srv", rep) in by and (other, rep) in by]
+            ratios = [by[(mine, rep)][f"c{s}_tok_s"] / by[(other, rep)][f"c{s}_tok_s"]
+                      for rep in reps if (mine, rep) in by and (other, rep) in by]
             if ratios:
-                lines.append(f"\nsrv / {other}, {s} stream(s), within each repetition: "
+                lines.append(f"\n{mine} / {other}, {s} stream(s), within each repetition: "
                              + ", ".join(f"{x:.2f}" for x in ratios) + f" (median {statistics.median(ratios):.2f}x)")
     return "\n".join(lines)
 
