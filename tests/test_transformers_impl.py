@@ -37,15 +37,15 @@ def test_auto_keeps_the_native_impl(tiny_models):
 
 
 def test_auto_picks_transformers_for_an_architecture_srv_lacks(tmp_path, default_model_dir):
-    """Mixtral: no native layers, and a checkpoint whose per-expert weights transformers fuses."""
-    from transformers import AutoTokenizer, MixtralConfig, MixtralForCausalLM
+    """PhiMoE: no native layers, and a checkpoint whose per-expert weights transformers fuses."""
+    from transformers import AutoTokenizer, PhimoeConfig, PhimoeForCausalLM
 
     torch.manual_seed(0)
-    config = MixtralConfig(vocab_size=49152, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+    config = PhimoeConfig(vocab_size=49152, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                            num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
                            max_position_embeddings=1024, bos_token_id=1, eos_token_id=2, initializer_range=0.3)
-    path = tmp_path / "mixtral"
-    MixtralForCausalLM(config).save_pretrained(path)
+    path = tmp_path / "phimoe"
+    PhimoeForCausalLM(config).save_pretrained(path)
     AutoTokenizer.from_pretrained(default_model_dir).save_pretrained(path)
     prompts = random_prompts(4, seed=4)
     with make_engine(path) as engine:
