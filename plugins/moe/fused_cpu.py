@@ -8,7 +8,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
 from pathlib import Path
 
 import torch
@@ -18,9 +17,9 @@ from srv.sdk.native import NativeBuildError, load_c_library
 
 logger = logging.getLogger("srv.moe")
 
-# Routes an expert from which a batch runs on torch's products (see the module's docstring and
-# BENCHMARKS.md for where the two meet).
-TORCH_ROWS_PER_EXPERT = int(os.environ.get("SRV_MOE_TORCH_ROWS_PER_EXPERT", "8"))
+# Routes an expert (on average) from which a float batch runs on torch's products: decode
+# batches stay below it, prefill chunks are far above it.
+TORCH_ROWS_PER_EXPERT = 8
 WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 ISAS = {"portable": 0, "avx2": 1, "avx512": 2}
 
