@@ -23,6 +23,7 @@ from srv.sdk.moe import FusedMoE, MoEBackends, config_num_experts
 from srv.sdk.models import ModelConfig, ModelImpl, ModelLoader, ModelOutput, materialize
 from srv.sdk.parallel import ParallelContext, is_collective_failure
 from srv.sdk.quantization import QuantizationMethod
+from srv.sdk.system import available_memory_bytes
 
 logger = logging.getLogger("srv.engine")
 
@@ -32,20 +33,6 @@ DTYPES = {"half": torch.float16, "float16": torch.float16, "bfloat16": torch.bfl
 DEFAULT_CPU_MEM_FRACTION = 0.1
 # A Hugging Face repository id ("org/name").
 REPO_ID = re.compile(r"[\w.-]+/[\w.-]+")
-
-
-def available_memory_bytes() -> int:
-    """The kernel's estimate of memory available without swapping (MemAvailable: free pages plus
-    the page cache and other memory it can reclaim). Free pages alone shrink with every file read,
-    so a machine that had just read gigabytes would size a much smaller cache."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def served_dtype(name: str, method: QuantizationMethod | None = None, embedding: bool = False) -> torch.dtype:
