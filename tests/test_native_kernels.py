@@ -15,7 +15,8 @@ from torch.nn import functional as F
 import srv.plugins.models.llama as llama
 from srv.plugins.attention.padded_sdpa import PaddedSDPAAttention
 from srv.sdk.attention import ForwardBatch
-from srv.sdk.packed_linear import PackedLinear, can_pack
+from srv.sdk import packed_linear
+from srv.sdk.packed_linear import NATIVE_ROWS, PackedLinear, can_pack, pack_linear_layers
 from srv.sdk.testing.attention import BATCHES, make_case
 from srv.sdk.native import NativeBuildError, load_c_library
 from srv.sdk.paths import write_atomically
@@ -141,6 +142,84 @@ def test_packed_linear_reorders_its_weight_at_its_first_product():
     torch.testing.assert_close(layer(x), F.linear(x, weight, bias))
     assert layer.packed_weight is not None and layer.weight is None
     torch.testing.assert_close(layer(x[0]), F.linear(x[0], weight, bias))
+
+
+def instruction_sets() -> list[str]:
+    """The dense kernel's instruction sets this CPU can run: the portable one always."""
+    sets = ["portable"]
+    if torch.cpu._is_avx2_supported():
+        sets.append("avx2")
+    if torch.cpu._is_avx512_supported():
+        sets.append("avx512")
+    return sets
+
+
+@pytest.fixture
+def dense_isa(request):
+    packed_linear.set_isa(request.param)
+    yield request.param
+    packed_linear.set_isa(None)
+
+
+@pytest.mark.skipif(not can_pack(torch.float32), reason="needs oneDNN")
+@pytest.mark.parametrize("dense_isa", instruction_sets(), indirect=True)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("out_features, in_features", [(96, 64), (7, 13), (1030, 600)],
+                         ids=["tiles", "ragged", "threaded"])
+def test_row_major_kernel_computes_float64_products_for_every_instruction_set(dense_isa, dtype, out_features,
+                                                                            in_features):
+    """Weights not a whole number of tiles (4 rows) or of vectors (16 or 8 inputs), each count of
+    rows below NATIVE_ROWS (tiles of 4 and the remainder), a bias, and a layer large enough for
+    both threads: float32 sums of float32 or bf16 weights, against float64 ones."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(out_features, in_features, generator=generator).to(dtype)
+    bias = torch.randn(out_features, generator=generator).to(dtype)
+    layer = PackedLinear(weight, bias, keep_rows=True)
+    for rows in range(1, NATIVE_ROWS):
+        x = torch.randn(rows, in_features, generator=generator)
+        reference = x.double() @ weight.double().T + bias.double()
+        error = (layer(x).double() - reference).abs().max() / reference.abs().max()
+        assert error < 1e-5, f"{rows} rows: relative error {error:.1e}"
+    assert layer.packed_weight is None   # no oneDNN product yet
+    x = torch.randn(NATIVE_ROWS, in_features, generator=generator).to(dtype)
+    torch.testing.assert_close(layer(x), F.linear(x, weight, bias), rtol=2e-2, atol=2e-2)
+    # Both layouts held (the blocked one only where oneDNN computes the dtype).
+    assert (layer.packed_weight is not None) == can_pack(dtype) and layer.weight is not None
+
+
+def test_a_dtype_onednn_cannot_compute_keeps_its_rows_and_takes_f_linear_for_large_products(monkeypatch):
+    """bf16 on a CPU without AVX-512 BF16 (Zen 3): no blocked copy; small float32 steps are the
+    row-major kernel's, larger ones F.linear's, and the model still gets the kernel for C."""
+    monkeypatch.setattr(packed_linear, "can_pack", lambda dtype: dtype == torch.float32)
+    generator = torch.Generator().manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 96)).to(torch.bfloat16)
+    weight, bias = model[0].weight.detach().clone(), model[0].bias.detach().clone()
+    pack_linear_layers(model)
+    layer = model[0]
+    assert isinstance(layer, PackedLinear) and layer.native_linear(1) is not None
+    small = torch.randn(2, 64, generator=generator)
+    torch.testing.assert_close(layer(small), small @ weight.float().T + bias.float())
+    large = torch.randn(NATIVE_ROWS, 64, generator=generator).to(torch.bfloat16)
+    assert torch.equal(layer(large), F.linear(large, weight, bias))
+    assert layer.packed_weight is None and layer.weight is not None
+
+
+@pytest.mark.skipif(not can_pack(torch.float32), reason="needs oneDNN")
+def test_row_major_weights_are_kept_only_where_memory_allows(monkeypatch):
+    """The blocked copy needs as much memory again as the row-major weights: with too little
+    available they are dropped at the first product and no kernel is offered."""
+    def model():
+        return nn.Sequential(nn.Linear(64, 96, bias=False), nn.Linear(96, 64, bias=False))
+
+    roomy = model()
+    pack_linear_layers(roomy)
+    assert all(layer.native_linear(1) is not None and layer.native_linear(NATIVE_ROWS) is None for layer in roomy)
+    monkeypatch.setattr(packed_linear, "available_memory_bytes", lambda: 1000)
+    tight = model()
+    pack_linear_layers(tight)
+    assert all(layer.native_linear(1) is None for layer in tight)
+    tight(torch.randn(1, 64))
+    assert all(layer.weight is None for layer in tight)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])

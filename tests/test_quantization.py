@@ -153,10 +153,12 @@ def count_native_steps(monkeypatch) -> list[bool]:
     return native_steps
 
 
-def test_decode_layers_run_in_one_native_call_with_the_python_layers_results(monkeypatch):
+@pytest.mark.parametrize("quantization", ["gguf", "none"], ids=["gguf-blocks", "dense"])
+def test_decode_layers_run_in_one_native_call_with_the_python_layers_results(monkeypatch, quantization):
     """In float32, a decode step's layers run in C (srv_decode_layers), calling the kernels the
     Python layers call, in the same order: the same logits to the bit, step after step, for a
-    batch of ragged contexts (the model driven directly, so that both see the same batches)."""
+    batch of ragged contexts (the model driven directly, so that both see the same batches).
+    Dense weights (the file dequantized) take the row-major kernel of srv.sdk.packed_linear."""
     from srv.plugins.models.llama import LlamaForCausalLM
 
     native_steps = count_native_steps(monkeypatch)
@@ -167,15 +169,17 @@ def test_decode_layers_run_in_one_native_call_with_the_python_layers_results(mon
         assert torch.equal(engine.runner.forward(*args).logits, logits), f"decode step {step}"
         monkeypatch.setattr(LlamaForCausalLM, "_decode_natively", counted)
 
-    with srv.Engine(quantization="gguf", dtype="float32") as engine:
+    with srv.Engine(quantization=quantization, dtype="float32") as engine:
         drive_decode_steps(engine, 4, check=same_as_python)
     assert native_steps == [False] + [True] * 4, "the decode steps did not run natively"
 
 
-def test_a_bf16_model_decodes_small_batches_natively_in_float32(monkeypatch):
+@pytest.mark.parametrize("quantization", ["gguf", "none"], ids=["gguf-blocks", "dense"])
+def test_a_bf16_model_decodes_small_batches_natively_in_float32(monkeypatch, quantization):
     """Served in bf16, a GGUF file's small decode steps run the native layers in float32 on the
-    bf16 KV cache: their log-probabilities are no further from the float32 model's than those
-    of the Python layers' bf16 arithmetic (nor than bf16's tolerance)."""
+    bf16 KV cache (its blocks, or its bf16 weights dequantized): their log-probabilities are no
+    further from the float32 model's than those of the Python layers' bf16 arithmetic (nor than
+    bf16's tolerance)."""
     from srv.plugins.models.llama import LlamaForCausalLM
 
     def gaps(reference: list[torch.Tensor], logits: list[torch.Tensor]) -> list[float]:
@@ -185,7 +189,7 @@ def test_a_bf16_model_decodes_small_batches_natively_in_float32(monkeypatch):
 
     with srv.Engine(dtype="float32") as engine:
         tokens, reference = drive_decode_steps(engine, 6)
-    with srv.Engine(dtype="bfloat16") as engine:
+    with srv.Engine(dtype="bfloat16", quantization=quantization) as engine:
         assert engine.runner.dtype == torch.bfloat16
         native_steps = count_native_steps(monkeypatch)
         _, native = drive_decode_steps(engine, 6, tokens)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from srv.sdk.native import NativeBuildError, NativeKernel, load_c_library
 from srv.sdk.system import available_memory_bytes
@@ -79,7 +80,8 @@ class PackedLinear(nn.Module):
         self.register_buffer("weight", weight.detach(), persistent=False)
         self.register_buffer("packed_weight", None, persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
-        self.keep_rows = keep_rows and weight.dtype in WEIGHT_TYPES and kernels() is not None
+        self.packs = can_pack(weight.dtype)
+        self.keep_rows = (keep_rows or not self.packs) and weight.dtype in WEIGHT_TYPES and kernels() is not None
         self.context: DenseContext | None = None
         self.kernel: NativeKernel | None = None
         self.float32_bias: torch.Tensor | None = None
@@ -109,6 +111,8 @@ class PackedLinear(nn.Module):
             kernels().srv_dense_linear(self.native_linear(rows).context, x.data_ptr(), rows, y.data_ptr())
             return y.view(*shape[:-1], self.out_features)
         if self.packed_weight is None:
+            if not self.packs:   # a dtype oneDNN cannot compute here (bf16 without AVX-512 BF16)
+                return F.linear(x, self.weight, self.bias)
             # oneDNN picks the blocking for this many rows. In float32 a hint of 1 made 16- and
             # 64-row products 1.3-1.5x slower than a hint of 16 or 64, which cost one row nothing.
             self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight, 64)
@@ -127,13 +131,15 @@ def can_pack(dtype: torch.dtype) -> bool:
 
 def pack_linear_layers(model: nn.Module) -> None:
     """Swap every float32 or bf16 nn.Linear for a PackedLinear, keeping the row-major weights for
-    decode steps where memory allows."""
-    if not can_pack(next(model.parameters()).dtype):
+    decode steps where memory allows (and always where oneDNN cannot take the dtype: its large
+    products are then F.linear's on them)."""
+    dtype = next(model.parameters()).dtype
+    if not can_pack(dtype) and not (dtype in WEIGHT_TYPES and kernels() is not None):
         return
     linears = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)]
     weight_bytes = sum(module.weight.numel() * module.weight.element_size() for _, module in linears)
     keep_rows = weight_bytes <= ROW_MAJOR_MEMORY_SHARE * available_memory_bytes()
-    if not keep_rows and linears:
+    if not keep_rows and linears and can_pack(dtype):
         logger.info("the linear layers' %.1f GiB are held once, blocked for oneDNN: decode steps take its products",
                     weight_bytes / 2**30)
     for name, module in linears:
