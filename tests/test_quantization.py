@@ -36,8 +36,23 @@ def assert_products_match(quantized, w: torch.Tensor) -> None:
         assert error < 1e-5, f"{rows} rows: relative error {error:.1e}"
 
 
-@pytest.mark.parametrize("rows, columns", [(96, 128), (95, 96), (96, 32)], ids=["pairs", "odd", "one-block"])
-def test_q4_1_blocks_compute_the_file_weights(rows, columns):
+def instruction_sets() -> list[str]:
+    """The few-row products' instruction sets this CPU runs (AVX2 is the kernels' floor)."""
+    return ["avx2", "avx512"] if torch.cpu._is_avx512_supported() else ["avx2"]
+
+
+@pytest.fixture(params=instruction_sets())
+def gguf_isa(request):
+    from srv.plugins.quantization import gguf
+
+    gguf.set_isa(request.param)
+    yield request.param
+    gguf.set_isa(None)
+
+
+@pytest.mark.parametrize("rows, columns", [(96, 128), (95, 96), (96, 32)],
+                         ids=["pairs", "odd", "one-block"])
+def test_q4_1_blocks_compute_the_file_weights(rows, columns, gguf_isa):
     w = weight("Q4_1", rows, columns)
     quantized = q4_1_weight(w)
     assert isinstance(quantized, Q4_1Weight) and q8_0_weight(w) is None
@@ -45,7 +60,7 @@ def test_q4_1_blocks_compute_the_file_weights(rows, columns):
 
 
 @pytest.mark.parametrize("rows, columns", [(96, 128), (95, 96)], ids=["even", "odd"])
-def test_q8_0_blocks_compute_the_file_weights(rows, columns):
+def test_q8_0_blocks_compute_the_file_weights(rows, columns, gguf_isa):
     w = weight("Q8_0", rows, columns)
     quantized = q8_0_weight(w)
     assert isinstance(quantized, Q8_0Weight) and q4_1_weight(w) is None

@@ -68,7 +68,14 @@ def kernels() -> ctypes.CDLL:
     library = load_c_library(Path(__file__).with_name("gguf_kernels.c"), KERNEL_FLAGS)
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     library.srv_gguf_linear.argtypes = [pointer, pointer, size, pointer]
+    library.srv_gguf_set_isa.argtypes = [ctypes.c_int]
     return library
+
+
+def set_isa(name: str | None) -> None:
+    """Force the few-row products' instruction set ("avx2", or "avx512" where the CPU has it;
+    None: the CPU's best). For tests."""
+    kernels().srv_gguf_set_isa({None: -1, "avx2": 0, "avx512": 1}[name])
 
 
 class LinearContext(ctypes.Structure):

@@ -172,6 +172,109 @@ INLINE void q8_16_row(const float *x, int64_t k, const int8_t *values, const flo
     default: { const int ROWS_NOW = 4; statement; } break;                                               \
     }
 
+/* The same two products in AVX-512, sixteen weights a vector: a pair's 32 bytes are broadcast
+ * to both halves of a register and shifted by a different count in each, so that one register
+ * holds weights 0-15 of a block in order (the layouts above, unchanged). Half the instructions
+ * of the AVX2 rows a weight, where those rows are bound by arithmetic, not by the weights' bytes.
+ * Picked at run time where the CPU has AVX-512 (srv_gguf_set_isa forces either). */
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx2,fma")))
+
+AVX512 static inline __m512 halves(__m512i packed, int low, int high) {
+    const __m512i counts = _mm512_inserti64x4(_mm512_set1_epi32(low), _mm256_set1_epi32(high), 1);
+    return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(packed, counts), _mm512_set1_epi32(0x0F)));
+}
+
+/* sum(a[i] * b[i]) for i < count, sixteen at a time (the last vector masked). */
+AVX512 static inline float dot_512(const float *a, const float *b, int64_t count) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < count; i += 16) {
+        const __mmask16 keep = count - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (count - i)) - 1);
+        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(keep, a + i), _mm512_maskz_loadu_ps(keep, b + i), acc);
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+
+AVX512 INLINE void q4_1_row_512(const float *x, int64_t k, const uint8_t *nibbles, const float *scale,
+                                const float *min, const float *sums, float *y, int64_t n, const int rows) {
+    const int64_t blocks = k / GROUP;
+    __m512 even[FEW_ROWS], odd[FEW_ROWS];
+    for (int r = 0; r < rows; r++) even[r] = odd[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; b += 2) {
+        const __m512i packed = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(nibbles + b * (GROUP / 2))));
+        const __m512 w0 = halves(packed, 0, 4), w1 = halves(packed, 8, 12);
+        const __m512 d0 = _mm512_set1_ps(scale[b]);
+        const int both = b + 1 < blocks;   /* an odd count: the last pair holds one block */
+        __m512 w2 = _mm512_setzero_ps(), w3 = w2, d1 = w2;
+        if (both) {
+            w2 = halves(packed, 16, 20), w3 = halves(packed, 24, 28);
+            d1 = _mm512_set1_ps(scale[b + 1]);
+        }
+        for (int r = 0; r < rows; r++) {
+            const float *xr = x + r * k + b * GROUP;
+            const __m512 first = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + 16), _mm512_mul_ps(w0, _mm512_loadu_ps(xr)));
+            even[r] = _mm512_fmadd_ps(d0, first, even[r]);
+            if (both) {
+                const __m512 second = _mm512_fmadd_ps(w3, _mm512_loadu_ps(xr + 48),
+                                                      _mm512_mul_ps(w2, _mm512_loadu_ps(xr + 32)));
+                odd[r] = _mm512_fmadd_ps(d1, second, odd[r]);
+            }
+        }
+    }
+    /* The min term, min[b] * sum(x over block b), as one vector product a row. */
+    for (int r = 0; r < rows; r++)
+        y[r * n] = _mm512_reduce_add_ps(_mm512_add_ps(even[r], odd[r])) + dot_512(min, sums + r * blocks, blocks);
+}
+
+AVX512 static inline __m512 bytes(__m512i packed, int low, int high) {
+    const __m512i counts = _mm512_inserti64x4(_mm512_set1_epi32(low), _mm256_set1_epi32(high), 1);
+    return _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_sllv_epi32(packed, counts), 24));
+}
+
+AVX512 INLINE void q8_0_row_512(const float *x, int64_t k, const int8_t *values, const float *scale, float *y,
+                                int64_t n, const int rows) {
+    const int64_t blocks = k / GROUP;
+    __m512 even[FEW_ROWS], odd[FEW_ROWS];
+    for (int r = 0; r < rows; r++) even[r] = odd[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        const __m512i packed = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(values + b * GROUP)));
+        const __m512 w0 = bytes(packed, 24, 16), w1 = bytes(packed, 8, 0);
+        const __m512 d = _mm512_set1_ps(scale[b]);
+        for (int r = 0; r < rows; r++) {
+            const float *xr = x + r * k + b * GROUP;
+            const __m512 dot = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + 16), _mm512_mul_ps(w0, _mm512_loadu_ps(xr)));
+            if (b & 1) odd[r] = _mm512_fmadd_ps(d, dot, odd[r]);
+            else even[r] = _mm512_fmadd_ps(d, dot, even[r]);
+        }
+    }
+    for (int r = 0; r < rows; r++) y[r * n] = _mm512_reduce_add_ps(_mm512_add_ps(even[r], odd[r]));
+}
+
+static int use_avx512 = -1;
+
+/* 1: the AVX-512 rows, 0: the AVX2 ones, -1: the CPU's best. */
+void srv_gguf_set_isa(int avx512) {
+    __builtin_cpu_init();
+    const int has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+    use_avx512 = avx512 < 0 ? has : avx512 && has;
+}
+
+AVX512 static void q4_1_rows_512(const float *x, int64_t m, int64_t k, const uint8_t *nibbles, const float *scale,
+                                 const float *min, const float *sums, int64_t n, float *y) {
+    const int64_t blocks = k / GROUP;
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; i++)
+        FOR_ROWS(m, q4_1_row_512(x, k, nibbles + i * ((blocks + 1) / 2) * GROUP, scale + i * blocks,
+                                 min + i * blocks, sums, y + i, n, ROWS_NOW))
+}
+
+AVX512 static void q8_0_rows_512(const float *x, int64_t m, int64_t k, const int8_t *values, const float *scale,
+                                 int64_t n, float *y) {
+    const int64_t blocks = k / GROUP;
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; i++)
+        FOR_ROWS(m, q8_0_row_512(x, k, values + i * k, scale + i * blocks, y + i, n, ROWS_NOW))
+}
+
 /* Many activation rows: each thread widens WEIGHT_ROWS weight rows at a time to float32 (scale
  * and min applied) in a buffer of its own, then runs a register tile over them and four rows
  * of x at a time: independent accumulators keep both FMA pipes busy, and each weight value is
@@ -279,6 +382,11 @@ static void q4_1_matmul(const float *x, int64_t m, int64_t k, const uint8_t *nib
     }
     float sums[FEW_ROWS * blocks];
     block_sums(x, m, k, GROUP, sums);
+    if (use_avx512 < 0) srv_gguf_set_isa(-1);
+    if (use_avx512) {
+        q4_1_rows_512(x, m, k, nibbles, scale, min, sums, n, y);
+        return;
+    }
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < n; i++)
         FOR_ROWS(m, q4_1_row(x, k, nibbles + i * ((blocks + 1) / 2) * GROUP, scale + i * blocks, min + i * blocks,
@@ -291,6 +399,11 @@ static void q8_0_matmul(const float *x, int64_t m, int64_t k, const int8_t *valu
     if (m > FEW_ROWS) {
         const QuantizedRows w = {Q8_0, values, scale, NULL};
         matmul_many_rows(&w, x, m, k, n, y);
+        return;
+    }
+    if (use_avx512 < 0) srv_gguf_set_isa(-1);
+    if (use_avx512) {
+        q8_0_rows_512(x, m, k, values, scale, n, y);
         return;
     }
 #pragma omp parallel for schedule(static)
