@@ -5,6 +5,9 @@ to the next), interleaved and best of several repetitions (this kind of VM is no
 - GGUF products: one decode step's linear layers (every decoder layer's four products and the
   vocabulary head) with Q4_1 / Q8_0 weights, on the C kernels and on the dense float32 copy
   (oneDNN, prepacked), at each row count: where `DENSE_FROM_FLOAT32_ROWS` comes from.
+- Dense products: the same step's layers with float32 or bf16 weights, on srv's row-major
+  kernel (float32 rows, srv.sdk.packed_linear) and on oneDNN's blocked copy (rows in the
+  weights' dtype), at each row count: where `NATIVE_ROWS` comes from.
 - Decode attention: one step's attention (every layer) on a float32 KV cache, at each batch
   size and context length, each request's slots contiguous; with a shared prefix, the first
   slots of every request's table are the same (a prompt they share in the prefix cache).
@@ -27,7 +30,8 @@ import torch
 from srv.engine.default_model import default_model_path
 from srv.plugins.attention.padded_sdpa import KV_FORMATS, decode_context, kernels as attention_kernels
 from srv.plugins.models.loaders import GGUFLoader
-from srv.sdk.packed_linear import PackedLinear
+from srv.sdk.packed_linear import PackedLinear, can_pack, kernels as dense_kernels
+from srv.plugins.quantization import gguf
 from srv.plugins.quantization.gguf import GROUP, Q4_1Weight, Q8_0Weight
 from srv.sdk.models import ModelConfig
 
@@ -64,7 +68,8 @@ def gguf_products(config: ModelConfig, rows: list[int], repeats: int) -> None:
     scale8 = torch.rand(config.vocab_size, config.hidden_size // GROUP, generator=generator) * 0.001
     head_dense = (q8.float().view(config.vocab_size, -1, GROUP) * scale8[..., None]).view(q8.shape)
     layers.append((Q8_0Weight.from_blocks(q8, scale8), PackedLinear(head_dense, None)))
-    print("| rows | C kernels | dense float32 copy |\n| ---: | ---: | ---: |")
+    avx512 = torch.cpu._is_avx512_supported()
+    print("| rows | C kernels | C kernels, AVX2 rows | dense float32 copy |\n| ---: | ---: | ---: | ---: |")
     for m in rows:
         inputs = {k: torch.randn(m, k, generator=generator) for k in {w.in_features for w, _ in layers}}
 
@@ -72,13 +77,49 @@ def gguf_products(config: ModelConfig, rows: list[int], repeats: int) -> None:
             for weight, _ in layers:
                 weight.matmul(inputs[weight.in_features])
 
+        def avx2_kernels() -> None:
+            gguf.set_isa("avx2")
+            kernels()
+            gguf.set_isa(None)
+
         def dense() -> None:
             for weight, packed in layers:
                 packed(inputs[weight.in_features])
 
+        runs = {"kernels": kernels, "dense": dense} | ({"avx2": avx2_kernels} if avx512 else {})
         with torch.inference_mode():
-            best = best_ms({"kernels": kernels, "dense": dense}, repeats)
-        print(f"| {m} | {best['kernels']:.1f} ms | {best['dense']:.1f} ms |", flush=True)
+            best = best_ms(runs, repeats)
+        avx2 = f"{best['avx2']:.1f} ms" if avx512 else "(the same)"
+        print(f"| {m} | {best['kernels']:.1f} ms | {avx2} | {best['dense']:.1f} ms |", flush=True)
+
+
+def dense_products(config: ModelConfig, rows: list[int], repeats: int) -> None:
+    generator = torch.Generator().manual_seed(0)
+    shapes = linear_shapes(config) * config.num_hidden_layers + [(config.vocab_size, config.hidden_size)]
+    print("| weights | rows | row-major kernel | oneDNN blocked |\n| --- | ---: | ---: | ---: |")
+    for dtype in (torch.float32, torch.bfloat16):
+        weights = [torch.randn(n, k, generator=generator).to(dtype) for n, k in shapes]
+        # The kernel called directly, at row counts the layer itself would give oneDNN.
+        kept = [PackedLinear(w, None, keep_rows=True) for w in weights]   # they hold the kernels' contexts
+        contexts = [layer.native_linear(1).context for layer in kept]
+        blocked_layers = [PackedLinear(w, None) for w in weights]
+        for m in rows:
+            inputs = {k: torch.randn(m, k, generator=generator) for k in {w.shape[1] for w in weights}}
+            out = torch.empty(m, max(n for n, _ in shapes))
+
+            def kernel() -> None:
+                for w, context in zip(weights, contexts):
+                    dense_kernels().srv_dense_linear(context, inputs[w.shape[1]].data_ptr(), m, out.data_ptr())
+
+            def blocked() -> None:
+                for layer in blocked_layers:
+                    layer(inputs[layer.in_features].to(dtype))
+
+            runs = {"kernel": kernel} | ({"blocked": blocked} if can_pack(dtype) else {})
+            with torch.inference_mode():
+                best = best_ms(runs, repeats)
+            other = f"{best['blocked']:.1f} ms" if "blocked" in best else "(no oneDNN bf16 here)"
+            print(f"| {str(dtype).removeprefix('torch.')} | {m} | {best['kernel']:.1f} ms | {other} |", flush=True)
 
 
 def decode_attention(config: ModelConfig, batches: list[int], contexts: list[int], shared_prefixes: list[int],
@@ -120,6 +161,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.decode_kernels",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 32, 64, 128, 256])
+    parser.add_argument("--dense-rows", type=int, nargs="+", default=[1, 2, 4, 7, 8, 12, 16])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--contexts", type=int, nargs="+", default=[170, 700])
     parser.add_argument("--shared-prefixes", type=int, nargs="+", default=[0, 512],
@@ -129,6 +171,8 @@ def main() -> None:
     config = ModelConfig.read(GGUFLoader().prepare(default_model_path()))
     print(f"torch threads: {torch.get_num_threads()}\n\nGGUF products, one decode step:")
     gguf_products(config, args.rows, args.repeats)
+    print("\nDense products, one decode step:")
+    dense_products(config, args.dense_rows, args.repeats)
     print("\nDecode attention, one step:")
     decode_attention(config, args.batches, args.contexts, args.shared_prefixes, args.repeats)
 
