@@ -10,7 +10,7 @@ from benchmarks.results import LAUNCH, BenchResults, Run
 from benchmarks.stats import median, medians, ratio, repetition_ratios
 from benchmarks.workloads import (INPUT_LEN, OUTPUT_LEN, SHARED_PREFIX_LEN, STEADY_REQUESTS_PER_CLIENT, SWEEP, W1,
                                   W1_CONCURRENCY, W1_HOG, W2, W2_CONCURRENCY, W2_STEADY, W3, W3_NGRAM, W5, W5_NGRAM,
-                                  C64, C64_FLOAT32, C64_INT8, FLOAT32_FLAGS, INT8_FLAGS, W1_FLOAT32, W1_INT8,
+                                  C64, C64_FLOAT32, C64_INT8, DENSE_FLAGS, FLOAT32_FLAGS, W3_DENSE, W3_FLOAT32, INT8_FLAGS, W1_FLOAT32, W1_INT8,
                                   W3_INT8, W1_TP2, W3_TP2, W1_PP2, W3_PP2, W1_DP2, W3_DP2, TP2_FLAGS, PP2_FLAGS, DP2_FLAGS, W6, W6_FLAGS, W6_HICACHE, W6_HICACHE_FLAGS, W6_PREFIX_LEN, W6_PREFIXES,
                                   sweep_name, workloads)
 from benchmarks.hicache_restart import RESTART_FLAGS, RESTART_PROMPT_LEN, restart_rows
@@ -298,6 +298,28 @@ def quantization_section(results: BenchResults) -> list[str]:
             *md_table(["ratio", "by repetition", "median"], rows, "lrr"), ""]
 
 
+def dense_section(results: BenchResults) -> list[str]:
+    """A dense checkpoint's one-stream decode (the default model's file dequantized) against its
+    bandwidth floor: weight bytes per token over the DRAM bandwidth measured in the same run."""
+    ceilings = {c["weight_format"]: c["single_stream_ms"] for c in (results.limits or {}).get("decode_ceilings", [])}
+    isa = set(results.machine.get("isa") or [])
+    served = "bf16" if isa & {"avx512_bf16", "amx_bf16"} else "fp32"   # what --dtype auto serves there
+    values = medians(results.runs)
+    rows = []
+    for workload, flags, dtype in ((W3_FLOAT32, FLOAT32_FLAGS, "fp32"), (W3_DENSE, DENSE_FLAGS, served)):
+        measured, floor = values.get((SRV, workload, "tpot_median_s")), ceilings.get(dtype)
+        if measured is None or floor is None:
+            continue
+        rows.append([f"`{' '.join(flags)}`", dtype, fmt(measured * 1e3, 2), fmt(floor, 2),
+                     f"{measured * 1e3 / floor:.2f}×"])
+    if not rows:
+        return []
+    return ["### Dense weights", "",
+            "W3 (one stream) on srv launched with the default model's file dequantized, after its default "
+            "server's runs: decode ms/token (median) against the floor of the machine limits below.", "",
+            *md_table(["flags", "weights", "decode ms/token", "floor ms/token", "/ floor"], rows, "llrrr"), ""]
+
+
 def parallel_section(results: BenchResults) -> list[str]:
     """srv split three ways (tensor, pipeline and data parallel) against its default, within each
     repetition."""
@@ -391,6 +413,7 @@ def render(results: BenchResults, plot: str, notes: str) -> str:
               *sweep_table(results), "",
               *speculative_section(results),
               *quantization_section(results),
+              *dense_section(results),
               *hicache_section(results),
               *parallel_section(results),
               *grammar_section(results),

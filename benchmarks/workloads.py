@@ -98,7 +98,11 @@ INT8_FLAGS = ("--quantization", "w8a8_int8")
 FLOAT32_FLAGS = ("--quantization", "none", "--dtype", "float32")
 C64 = sweep_name(64)
 W3_INT8, W1_INT8, C64_INT8 = (f"{w}-int8" for w in (W3, W1, C64))
-W1_FLOAT32, C64_FLOAT32 = (f"{w}-float32" for w in (W1, C64))
+W3_FLOAT32, W1_FLOAT32, C64_FLOAT32 = (f"{w}-float32" for w in (W3, W1, C64))
+# The file dequantized, in the served dtype (bf16 where the CPU computes it, else float32): a
+# dense checkpoint's decode, against its bandwidth floor.
+DENSE_FLAGS = ("--quantization", "none")
+W3_DENSE = f"{W3}-dense"
 W6_PREFIXES, W6_PREFIX_LEN, W6_OUTPUT_LEN, W6_REQUESTS_PER_CLIENT = 8, 1024, 32, 2
 # About two requests' context (1,024 + 128 in, 32 out): the pool holds two of the eight prompts.
 W6_POOL_TOKENS = 2400
@@ -123,7 +127,7 @@ PROBE = Workload("probe", W1_CONCURRENCY, W1_CONCURRENCY)
 
 def workloads(quick: bool) -> list[Workload]:
     """The sweep in increasing concurrency, the shared-prefix workload (burst, then steady), W1
-    beside a hog, W5; then W3 and W5 again for srv with NGRAM, the int8 and float32 points, W6, and W3
+    beside a hog, W5; then W3 and W5 again for srv with NGRAM, the int8, float32 and dense points, W6, and W3
     and W1 split three ways."""
     sweep = [Workload(sweep_name(c), c, num_prompts(c, quick)) for c in SWEEP]
     burst = Workload(W2, W2_CONCURRENCY, num_prompts(W2_CONCURRENCY, quick), shared_prefix_len=SHARED_PREFIX_LEN)
@@ -137,7 +141,8 @@ def workloads(quick: bool) -> list[Workload]:
     int8 = [Workload(name, c, num_prompts(c, quick), srv_flags=INT8_FLAGS)
             for name, c in ((W3_INT8, 1), (W1_INT8, W1_CONCURRENCY), (C64_INT8, 64))]
     float32 = [Workload(name, c, num_prompts(c, quick), srv_flags=FLOAT32_FLAGS)
-               for name, c in ((W1_FLOAT32, W1_CONCURRENCY), (C64_FLOAT32, 64))]
+               for name, c in ((W3_FLOAT32, 1), (W1_FLOAT32, W1_CONCURRENCY), (C64_FLOAT32, 64))]
+    dense = [Workload(W3_DENSE, 1, num_prompts(1, quick), srv_flags=DENSE_FLAGS)]
     hierarchical = [Workload(name, W2_CONCURRENCY, W2_CONCURRENCY * (1 if quick else W6_REQUESTS_PER_CLIENT),
                              output_len=W6_OUTPUT_LEN, shared_prefix_len=W6_PREFIX_LEN,
                              num_shared_prefixes=W6_PREFIXES, warmup_requests=W6_PREFIXES, srv_flags=flags)
@@ -146,4 +151,4 @@ def workloads(quick: bool) -> list[Workload]:
                 for name, c, flags in ((W3_TP2, 1, TP2_FLAGS), (W1_TP2, W1_CONCURRENCY, TP2_FLAGS),
                                        (W3_PP2, 1, PP2_FLAGS), (W1_PP2, W1_CONCURRENCY, PP2_FLAGS),
                                        (W3_DP2, 1, DP2_FLAGS), (W1_DP2, W1_CONCURRENCY, DP2_FLAGS))]
-    return sweep + [burst, steady, hog, repeat] + speculative + int8 + float32 + hierarchical + parallel
+    return sweep + [burst, steady, hog, repeat] + speculative + int8 + float32 + dense + hierarchical + parallel

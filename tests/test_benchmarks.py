@@ -49,6 +49,8 @@ def fake_results() -> BenchResults:
         runs.append(Run("llama.cpp", rep, "repeat", serve_metrics(50.0, tpot=0.010 * scale)))
         runs.append(Run("srv", rep, "repeat-ngram", {**serve_metrics(50.0, tpot=0.008 * scale),
                                                      "spec_accept_length": 3.5}))
+        runs.append(Run("srv", rep, "c1-float32", serve_metrics(30.0, tpot=0.040 * scale)))
+        runs.append(Run("srv", rep, "c1-dense", serve_metrics(30.0, tpot=0.030 * scale)))
         runs.append(Run("srv", rep, "prefixes8", serve_metrics(20.0, ttft=3.0 * scale)))
         runs.append(Run("srv", rep, "prefixes8-hicache", serve_metrics(60.0, ttft=0.6 * scale)))
     for pair, cold in enumerate((1.0, 1.2, 0.8)):
@@ -70,8 +72,8 @@ def fake_results() -> BenchResults:
 def test_workloads_reuse_the_sweep_for_w1_and_w3():
     names = [w.name for w in workloads(quick=False)]
     assert names == ["c1", "c4", "c16", "c64", "prefix16", "prefix16-steady", "c16-hog", "repeat", "c1-ngram",
-                     "repeat-ngram", "c1-int8", "c16-int8", "c64-int8", "c16-float32", "c64-float32",
-                     "prefixes8", "prefixes8-hicache", "c1-tp2", "c16-tp2", "c1-pp2", "c16-pp2", "c1-dp2", "c16-dp2"]
+                     "repeat-ngram", "c1-int8", "c16-int8", "c64-int8", "c1-float32", "c16-float32",
+                     "c64-float32", "c1-dense", "prefixes8", "prefixes8-hicache", "c1-tp2", "c16-tp2", "c1-pp2", "c16-pp2", "c1-dp2", "c16-dp2"]
     assert W1 == "c16" and W3 == "c1" and W2 == "prefix16"
     assert [num_prompts(c, False) for c in (1, 4, 16, 64)] == [4, 8, 16, 64]
     assert [num_prompts(c, True) for c in (1, 4, 16, 64)] == [2, 4, 16, 64]
@@ -79,15 +81,16 @@ def test_workloads_reuse_the_sweep_for_w1_and_w3():
     everything, parallel = everything[:-6], everything[-6:]
     assert [(w.concurrency, w.srv_flags) for w in parallel] == [
         (c, (flag, "2")) for flag in ("--tp-size", "--pp-size", "--dp-size") for c in (1, 16)]
-    burst, steady, hog, repeat, w3_ngram, repeat_ngram = everything[-13:-7]
+    burst, steady, hog, repeat, w3_ngram, repeat_ngram = everything[-15:-9]
     assert repeat.endpoint == repeat_ngram.endpoint == "chat" and repeat.instruction == repeat_ngram.instruction
     assert w3_ngram.speculative and repeat_ngram.speculative and not repeat.speculative
     assert burst.shared_prefix_len == steady.shared_prefix_len == 512 and burst.context_tokens == 768
     assert (burst.num_prompts, steady.num_prompts, steady.concurrency) == (16, 48, 16)
     assert hog.hog and not burst.hog and (hog.concurrency, hog.num_prompts) == (16, 16)
-    int8, float32, hierarchical = everything[-7:-4], everything[-4:-2], everything[-2:]
+    int8, float32, dense, hierarchical = everything[-9:-6], everything[-6:-3], everything[-3], everything[-2:]
     assert all(w.srv_flags == ("--quantization", "w8a8_int8") and not w.speculative for w in int8)
-    assert [w.concurrency for w in int8 + float32] == [1, 16, 64, 16, 64]
+    assert [w.concurrency for w in int8 + float32] == [1, 16, 64, 1, 16, 64]
+    assert (dense.concurrency, dense.srv_flags) == (1, ("--quantization", "none"))
     assert all(w.srv_flags == ("--quantization", "none", "--dtype", "float32") for w in float32)
     w6, w6_hicache = hierarchical
     assert (w6.num_shared_prefixes, w6.shared_prefix_len, w6.concurrency, w6.num_prompts) == (8, 1024, 16, 32)
@@ -172,7 +175,12 @@ def test_report_has_the_medians_ratios_and_keeps_the_notes(tmp_path):
     w1 = next(line for line in by_rep.splitlines() if line.startswith("| W1:"))
     assert "| 0.800, 0.800, 0.800 | 0.800× | 2.00, 2.00, 2.00 | 2.00× |" in w1
     assert "Test CPU" in text and "exited with -4" in text
-    assert text.count("\n| srv | ") == 3 * 10 + 6 + 1               # every run, the failed one too
+    assert text.count("\n| srv | ") == 3 * 12 + 6 + 1               # every run, the failed one too
+    dense = text.split("### Dense weights", 1)[1].split("###", 1)[0]
+    # The test machine has no bf16: both rows serve float32, 40 and 30 ms against one floor.
+    floor = next(c for c in results.limits["decode_ceilings"] if c["weight_format"] == "fp32")["single_stream_ms"]
+    assert f"| `--quantization none --dtype float32` | fp32 | 40.00 | {floor:.2f} | {40 / floor:.2f}× |" in dense
+    assert f"| `--quantization none` | fp32 | 30.00 | {floor:.2f} | {30 / floor:.2f}× |" in dense
     speculative = text.split("### Speculative decoding (NGRAM)", 1)[1]
     assert "| W5 with NGRAM / W5 srv default | 0.400, 0.400, 0.400 | 0.400× |" in speculative
     assert "| W5 with NGRAM / W5 llama.cpp | 0.800, 0.800, 0.800 | 0.800× |" in speculative
@@ -195,9 +203,10 @@ def test_decode_kernels_run_on_the_default_model_with_tiny_sizes():
     """`python -m benchmarks.decode_kernels` calls the kernels directly, so a change of their C
     signatures must show here (no timing checks)."""
     result = subprocess.run([sys.executable, "-m", "benchmarks.decode_kernels", "--rows", "1", "--batches", "2",
-                             "--contexts", "9", "--shared-prefixes", "0", "4", "--repeats", "1"], cwd=ROOT,
+                             "--contexts", "9", "--shared-prefixes", "0", "4", "--repeats", "1", "--dense-rows", "1"], cwd=ROOT,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
+    assert "| float32 | 1 |" in result.stdout and "| bfloat16 | 1 |" in result.stdout
     assert "| 1 |" in result.stdout and "| 2 | 9 | 0 |" in result.stdout and "| 2 | 9 | 4 |" in result.stdout
 
 

@@ -169,19 +169,19 @@ def dense_isa(request):
 def test_row_major_kernel_computes_float64_products_for_every_instruction_set(dense_isa, dtype, out_features,
                                                                             in_features):
     """Weights not a whole number of tiles (4 rows) or of vectors (16 or 8 inputs), each count of
-    rows below NATIVE_ROWS (tiles of 4 and the remainder), a bias, and a layer large enough for
+    rows below NATIVE_ROWS (tiles of 4 rows and the remainder), a bias, and a layer large enough for
     both threads: float32 sums of float32 or bf16 weights, against float64 ones."""
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(out_features, in_features, generator=generator).to(dtype)
     bias = torch.randn(out_features, generator=generator).to(dtype)
     layer = PackedLinear(weight, bias, keep_rows=True)
-    for rows in range(1, NATIVE_ROWS):
+    for rows in range(1, NATIVE_ROWS[dtype]):
         x = torch.randn(rows, in_features, generator=generator)
         reference = x.double() @ weight.double().T + bias.double()
         error = (layer(x).double() - reference).abs().max() / reference.abs().max()
         assert error < 1e-5, f"{rows} rows: relative error {error:.1e}"
     assert layer.packed_weight is None   # no oneDNN product yet
-    x = torch.randn(NATIVE_ROWS, in_features, generator=generator).to(dtype)
+    x = torch.randn(NATIVE_ROWS[dtype], in_features, generator=generator).to(dtype)
     torch.testing.assert_close(layer(x), F.linear(x, weight, bias), rtol=2e-2, atol=2e-2)
     # Both layouts held (the blocked one only where oneDNN computes the dtype).
     assert (layer.packed_weight is not None) == can_pack(dtype) and layer.weight is not None
@@ -199,7 +199,7 @@ def test_a_dtype_onednn_cannot_compute_keeps_its_rows_and_takes_f_linear_for_lar
     assert isinstance(layer, PackedLinear) and layer.native_linear(1) is not None
     small = torch.randn(2, 64, generator=generator)
     torch.testing.assert_close(layer(small), small @ weight.float().T + bias.float())
-    large = torch.randn(NATIVE_ROWS, 64, generator=generator).to(torch.bfloat16)
+    large = torch.randn(NATIVE_ROWS[torch.bfloat16], 64, generator=generator).to(torch.bfloat16)
     assert torch.equal(layer(large), F.linear(large, weight, bias))
     assert layer.packed_weight is None and layer.weight is not None
 
@@ -213,7 +213,8 @@ def test_row_major_weights_are_kept_only_where_memory_allows(monkeypatch):
 
     roomy = model()
     pack_linear_layers(roomy)
-    assert all(layer.native_linear(1) is not None and layer.native_linear(NATIVE_ROWS) is None for layer in roomy)
+    assert all(layer.native_linear(1) is not None and layer.native_linear(NATIVE_ROWS[torch.float32]) is None
+               for layer in roomy)
     monkeypatch.setattr(packed_linear, "available_memory_bytes", lambda: 1000)
     tight = model()
     pack_linear_layers(tight)

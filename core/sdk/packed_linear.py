@@ -29,9 +29,10 @@ from srv.sdk.system import available_memory_bytes
 
 logger = logging.getLogger("srv.layers")
 
-# Steps of fewer float32 rows than this take the row-major kernel; from this many, oneDNN's
-# blocked products are as fast or faster (BENCHMARKS.md, "Dense decode").
-NATIVE_ROWS = 8
+# Steps of fewer float32 rows than this, by weight dtype, take the row-major kernel; from this
+# many, oneDNN's blocked products are as fast or faster (`python -m benchmarks.decode_kernels`;
+# BENCHMARKS.md's notes, "Dense decode").
+NATIVE_ROWS = {torch.float32: 16, torch.bfloat16: 12}
 # The row-major copies are kept while they take at most this share of the memory available
 # after loading: the blocked copies, made at the first large product, need as much again.
 ROW_MAJOR_MEMORY_SHARE = 0.25
@@ -65,13 +66,14 @@ class DenseContext(ctypes.Structure):
 
 
 class PackedLinear(nn.Module):
-    """Reorders its weight at its first product of NATIVE_ROWS rows or more, not when built: a
+    """Reorders its weight at its first product that oneDNN computes, not when built: a
     layer only some batches use (gguf's dense copies serve long prefills alone) costs nothing
     until then, and the 121 reorders of the default model (0.3-0.4 s) stay out of the launch.
 
     With `keep_rows` the row-major weight stays beside the blocked one, and float32 steps of
-    fewer than NATIVE_ROWS rows are the row-major kernel's (in Python and from C alike, so both
-    give the same bits)."""
+    fewer than NATIVE_ROWS[weight dtype] rows are the row-major kernel's (in Python and from C
+    alike, so both give the same bits). A dtype oneDNN cannot compute here keeps its rows always
+    and takes F.linear for larger steps."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, keep_rows: bool = False) -> None:
         super().__init__()
@@ -88,7 +90,7 @@ class PackedLinear(nn.Module):
 
     def native_linear(self, rows: int) -> NativeKernel | None:
         """The row-major kernel for `rows` float32 rows, or None where oneDNN computes them."""
-        if not self.keep_rows or rows >= NATIVE_ROWS:
+        if not self.keep_rows or rows >= NATIVE_ROWS[self.weight_dtype]:
             return None
         if self.kernel is None:
             # The addresses of the weight and bias as they are now: srv never replaces them after
@@ -105,7 +107,7 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         rows = x.numel() // self.in_features
-        if x.dtype == torch.float32 and rows < NATIVE_ROWS and self.keep_rows:
+        if x.dtype == torch.float32 and self.keep_rows and rows < NATIVE_ROWS[self.weight_dtype]:
             y = torch.empty(rows, self.out_features)
             x = x.reshape(rows, self.in_features).contiguous()
             kernels().srv_dense_linear(self.native_linear(rows).context, x.data_ptr(), rows, y.data_ptr())
