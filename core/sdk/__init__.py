@@ -4,8 +4,9 @@ A plugin imports from `srv.sdk` and nothing else of srv. Hook specs are in `hook
 the data a plugin registers in `registration`, the base classes of each family in `attention`,
 `sampling`, `grammar`, `tools`, `cache`, `scheduling`, `models`, `linear`, `quantization`,
 `speculative` and `moe` (expert runners and token exchanges), the layers split across ranks in
-`parallel` and `layers`, C kernels built on first use in `native`, the cache directory in `paths`, and the
-conformance kits in `testing`.
+`parallel` and `layers`, dense layers on oneDNN and srv's row-major decode kernel in `packed_linear`, C
+kernels built on first use in `native`, the cache directory in `paths`, the memory available in
+`system`, and the conformance kits in `testing`.
 
 A plugin module states the SDK versions it works with as a version range, for example
 `SRV_SDK_VERSION = ">=0.1,<0.2"`; srv refuses to load it (and says why) when `API_VERSION`
