@@ -113,6 +113,20 @@ def test_default_model_serves_every_linear_layer_from_its_gguf_blocks(flags):
         assert result["meta_info"]["completion_tokens"] == 8
 
 
+def test_the_dense_copies_of_gguf_layers_hold_their_weights_once():
+    """A GGUF layer's dense copy serves its large batches only: after a prefill its weights are
+    oneDNN's blocked copy alone, not also the row-major ones (the GGUF kernels serve decode)."""
+    from srv.sdk.packed_linear import PackedLinear, can_pack
+
+    with srv.Engine(dtype="float32") as engine:
+        engine.generate("The capital of France is " * 60, {"max_new_tokens": 2, "temperature": 0})
+        copies = [m.dense for m in engine.runner.model.modules() if isinstance(m, GGUFLinear)]
+        assert copies and all(isinstance(c, PackedLinear) and not c.keep_rows for c in copies)
+        if can_pack(torch.float32):
+            used = [c for c in copies if c.packed_weight is not None]
+            assert used and all(c.weight is None for c in used)
+
+
 PROMPTS = ("The capital of France is", "def fibonacci(n):", "Hi")
 
 

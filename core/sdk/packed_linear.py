@@ -133,7 +133,7 @@ def can_pack(dtype: torch.dtype) -> bool:
 
 def pack_linear_layers(model: nn.Module) -> None:
     """Swap every float32 or bf16 nn.Linear for a PackedLinear, keeping the row-major weights for
-    decode steps where memory allows (and always where oneDNN cannot take the dtype: its large
+    decode steps where memory allows and the layer is the model's own product (and always where oneDNN cannot take the dtype: its large
     products are then F.linear's on them)."""
     dtype = next(model.parameters()).dtype
     if not can_pack(dtype) and not (dtype in WEIGHT_TYPES and kernels() is not None):
@@ -145,8 +145,12 @@ def pack_linear_layers(model: nn.Module) -> None:
         logger.info("the linear layers' %.1f GiB are held once, blocked for oneDNN: decode steps take its products",
                     weight_bytes / 2**30)
     for name, module in linears:
-        parent, _, leaf = name.rpartition(".")
-        setattr(model.get_submodule(parent), leaf, PackedLinear(module.weight, module.bias, keep_rows))
+        parent_name, _, leaf = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        # A layer inside one that has a decode kernel of its own (a GGUF layer's dense copy, for
+        # its large batches) would hold its row-major weights for nothing.
+        rows = keep_rows and not hasattr(parent, "native_linear")
+        setattr(parent, leaf, PackedLinear(module.weight, module.bias, rows))
 
 
 def dense_layer(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
