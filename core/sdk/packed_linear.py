@@ -132,25 +132,26 @@ def can_pack(dtype: torch.dtype) -> bool:
 
 
 def pack_linear_layers(model: nn.Module) -> None:
-    """Swap every float32 or bf16 nn.Linear for a PackedLinear, keeping the row-major weights for
-    decode steps where memory allows and the layer is the model's own product (and always where oneDNN cannot take the dtype: its large
-    products are then F.linear's on them)."""
+    """Swap every float32 or bf16 nn.Linear for a PackedLinear. The model's own products keep
+    their row-major weights for decode steps where memory allows (and always where oneDNN cannot
+    take the dtype: its large products are then F.linear's on them); a layer inside one with a
+    decode kernel of its own (a GGUF layer's dense copy, for its large batches) never does."""
     dtype = next(model.parameters()).dtype
     if not can_pack(dtype) and not (dtype in WEIGHT_TYPES and kernels() is not None):
         return
-    linears = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)]
-    weight_bytes = sum(module.weight.numel() * module.weight.element_size() for _, module in linears)
-    keep_rows = weight_bytes <= ROW_MAJOR_MEMORY_SHARE * available_memory_bytes()
-    if not keep_rows and linears and can_pack(dtype):
+    linears = []   # (parent, attribute, layer, whether it is the model's own product)
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            parent_name, _, leaf = name.rpartition(".")
+            parent = model.get_submodule(parent_name)
+            linears.append((parent, leaf, module, not hasattr(parent, "native_linear")))
+    row_bytes = sum(m.weight.numel() * m.weight.element_size() for _, _, m, own in linears if own)
+    keep_rows = row_bytes <= ROW_MAJOR_MEMORY_SHARE * available_memory_bytes()
+    if not keep_rows and can_pack(dtype):
         logger.info("the linear layers' %.1f GiB are held once, blocked for oneDNN: decode steps take its products",
-                    weight_bytes / 2**30)
-    for name, module in linears:
-        parent_name, _, leaf = name.rpartition(".")
-        parent = model.get_submodule(parent_name)
-        # A layer inside one that has a decode kernel of its own (a GGUF layer's dense copy, for
-        # its large batches) would hold its row-major weights for nothing.
-        rows = keep_rows and not hasattr(parent, "native_linear")
-        setattr(parent, leaf, PackedLinear(module.weight, module.bias, rows))
+                    row_bytes / 2**30)
+    for parent, leaf, module, own in linears:
+        setattr(parent, leaf, PackedLinear(module.weight, module.bias, keep_rows and own))
 
 
 def dense_layer(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
