@@ -125,9 +125,9 @@ def test_unsupported_flags_fail_loudly_when_set(name, parser, plugins):
 
 
 def test_unsupported_flag_message_names_the_flag():
-    result = run_srv("launch", "--max-lora-chunk-size", "32")
+    result = run_srv("launch", "--load-watch-interval", "0.5")
     assert result.returncode == 2
-    assert "srv launch: error: --max-lora-chunk-size is not supported yet" in result.stderr
+    assert "srv launch: error: --load-watch-interval is not supported yet" in result.stderr
 
 
 @pytest.mark.parametrize("name", [s.name for s in load_flag_specs() if s.deprecated])
@@ -201,7 +201,7 @@ EXPECTED_NOT_SUPPORTED_YET = {
     
     "--kv-events-config", 
     "--load-watch-interval", "--prefill-round-robin-balance",
-    "--max-lora-chunk-size", "--mm-attention-backend", "--nsa-prefill",
+    "--mm-attention-backend", "--nsa-prefill",
     "--nsa-decode", "--fp8-gemm-backend", "--disable-flashinfer-autotune",
     "--speculative-draft-model-revision", "--speculative-token-map",
     "--speculative-moe-runner-backend", "--speculative-moe-a2a-backend",

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import srv
+from srv.sdk import requires_cpu_flags
 from srv.sdk.testing import LoRABackendKit
 
 from test_engine import random_prompts
@@ -24,6 +25,31 @@ ADAPTERS = {"small": (4, ["q_proj", "v_proj"]), "wide": (8, ["q_proj", "k_proj",
 
 class TestTorchLoRA(LoRABackendKit):
     backend_name = "torch"
+
+
+class TestCPULoRA(LoRABackendKit):
+    backend_name = "cpu"
+
+
+def cpu_backend_on(isa: str):
+    def factory(server_args):
+        from srv.plugins.lora.cpu_backend import CPULoRABackend
+
+        backend = CPULoRABackend(server_args)
+        backend.isa = isa
+        return backend
+    return staticmethod(factory)
+
+
+class TestCPULoRAPortable(LoRABackendKit):
+    """The kernel's portable body, which CPUs without AVX2 run."""
+    backend_factory = cpu_backend_on("portable")
+
+
+@pytest.mark.skipif(not requires_cpu_flags("avx2", "fma")().ok, reason="the CPU has no AVX2 and FMA")
+class TestCPULoRAAVX2(LoRABackendKit):
+    """The AVX2 body on a CPU whose best is AVX-512."""
+    backend_factory = cpu_backend_on("avx2")
 
 
 def make_adapter(base: Path, folder: Path, rank: int, targets: list[str], seed: int) -> Path:
@@ -62,14 +88,27 @@ def peft_greedy(base: str, adapter: str | None, prompt: tuple[int, ...]) -> list
     return out[0, len(prompt):].tolist()
 
 
-def test_a_mixed_batch_gives_each_request_its_adapters_output(setup):
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_a_mixed_batch_gives_each_request_its_adapters_output(setup, backend, monkeypatch):
+    from srv.plugins.models.llama import LlamaForCausalLM
+
     base, adapters = setup
     paths = [f"{name}={path}" for name, path in adapters.items()]
     prompts = random_prompts(8, seed=7)
     names = [None, "small", "wide", "mlp"] * 2
     params = [{"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True,
                **({"lora_path": name} if name else {})} for name in names]
-    with srv.Engine(model_path=str(base), dtype="float32", lora_paths=paths, page_size=4) as engine:
+    native_steps = []
+    decode_natively = LlamaForCausalLM._decode_natively
+
+    def counted(self, *args):
+        result = decode_natively(self, *args)
+        native_steps.append(result is not None)
+        return result
+
+    monkeypatch.setattr(LlamaForCausalLM, "_decode_natively", counted)
+    with srv.Engine(model_path=str(base), dtype="float32", lora_paths=paths, page_size=4,
+                    lora_backend=backend) as engine:
         together = engine.generate(input_ids=prompts, sampling_params=params)
         # The same prompt under each adapter, one after another: the prefix cache holds the KV
         # the batch computed for it under "wide", which only "wide" may take; then again, each
@@ -88,6 +127,9 @@ def test_a_mixed_batch_gives_each_request_its_adapters_output(setup):
         assert first["output_ids"] == second["output_ids"] == want, name
         assert first["meta_info"]["cached_tokens"] == (whole_pages if name == names[6] else 0), name
         assert second["meta_info"]["cached_tokens"] == whole_pages, name
+    # The cpu backend's layer kernels keep the C decode steps (for a model that has them: not
+    # Qwen3's, whose query/key norms have no C step); the torch backend's layers have none.
+    assert any(native_steps) == (backend == "cpu" and "qwen3" not in base.name), native_steps[:8]
 
 
 def test_adapters_change_the_output_and_the_routes_select_them(setup):

@@ -37,7 +37,6 @@ NOT_SUPPORTED_YET = frozenset({
     # Multi-node distributed serving
     # Model override args
     # LoRA
-    "--max-lora-chunk-size",
     # Kernel backends (attention, sampling, grammar, GEMM)
     "--mm-attention-backend",
     "--nsa-prefill",

@@ -4,6 +4,8 @@ a batch mixing requests of several adapters and of the base model.
 Each targeted linear layer is wrapped in a `LoRALayer`: the base product for every row, then
 the `--lora-backend` plugin adds each request's adapter's product into the columns of the
 projection it targets (q, k and v share the fused qkv_proj; gate and up share gate_up_proj).
+A backend with C kernels gives each wrapped layer one (base product, then the adapters'), so
+a model's C decode steps keep running with adapters loaded.
 The model runner tells the layers which rows belong to which adapter before each forward pass
 (`LoRAManager.set_batch`). A request names its adapter by `lora_path` (or the OpenAI routes'
 `model`); adapters are loaded at launch, in the order given, slot 0 first.
@@ -213,7 +215,7 @@ class LoRAManager:
             del self.slots[adapter.name]
             self._activated.pop(adapter.name, None)
         for wrapper, _ in self.layers.values():
-            wrapper.products[slot] = []
+            wrapper.set_products(slot, [])
 
     def activate(self, names: set[str]) -> None:
         """Give every adapter in `names` (a batch's) a slot."""
@@ -230,7 +232,7 @@ class LoRAManager:
                 self._vacate(slot)
             products = self.products[name]
             for key, (wrapper, _) in self.layers.items():
-                wrapper.products[slot] = products.get(key, [])
+                wrapper.set_products(slot, products.get(key, []))
             self.adapters[slot], self.slots[name], self._activated[name] = adapter, slot, now
         for name in names:
             self._used[name] = now
@@ -252,3 +254,4 @@ class LoRAManager:
                 segments.append(LoRASegment(slot, start, start + length))
             start += length
         self.segments = segments
+        self.backend.set_segments(segments, start)

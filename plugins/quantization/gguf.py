@@ -181,6 +181,7 @@ class GGUFLinear(nn.Module):
         self.weight = weight
         self.dense = dense
         self.plain = dense.bias is None
+        self.in_features, self.out_features = dense.in_features, dense.out_features
 
     def native_linear(self, rows: int) -> NativeKernel | None:
         """The kernels' product for `rows` float32 rows, or None where the dense copy computes it

@@ -39,7 +39,9 @@ def reference(out: torch.Tensor, x: torch.Tensor, products: list[list[LoRAProduc
 class LoRABackendKit:
     """Checks a LoRA backend: `add` puts each segment's adapter products into its rows and
     columns, in place, as the plain products would (float32 and bfloat16), leaves base-model
-    rows and other columns alone, and takes segments in any order and of any length.
+    rows and other columns alone, and takes segments in any order and of any length. A backend
+    that offers C kernels (`native_linear`) must give the base kernel's product plus what `add`
+    adds, and follow `set_segments` and `products_changed`.
 
         class TestMyLoRA(LoRABackendKit):
             backend_name = "mylora"            # the name your plugin registers, or:
@@ -80,3 +82,39 @@ class LoRABackendKit:
         before = out.clone()
         self.make_backend().add(out, torch.randn(4, IN_FEATURES, generator=generator), products, [])
         assert torch.equal(out, before)
+
+    def test_native_linear_is_the_base_kernel_plus_the_adapters(self) -> None:
+        from srv.sdk.native import call_linear
+        from srv.sdk.packed_linear import PackedLinear
+
+        generator = torch.Generator().manual_seed(2)
+        products = random_products(generator, torch.float32)
+        base = PackedLinear(torch.randn(OUT_FEATURES, IN_FEATURES, generator=generator), None, keep_rows=True)
+        rows = 7
+        kernel = base.native_linear(rows) if _has_dense_kernels() else None
+        if kernel is None:
+            pytest.skip("no C compiler: the base layer has no kernel to wrap")
+        backend = self.make_backend()
+        segments = [LoRASegment(1, 0, 2), LoRASegment(0, 3, 7)]
+        backend.set_segments(segments, rows)
+        native = backend.native_linear(kernel, products, IN_FEATURES, OUT_FEATURES)
+        if native is None:
+            pytest.skip("the backend offers no C kernels (optional)")
+        x = torch.randn(rows, IN_FEATURES, generator=generator)
+        torch.testing.assert_close(call_linear(native, x, OUT_FEATURES).double(),
+                                   reference(base(x), x, products, segments), atol=1e-4, rtol=1e-5)
+        # The core empties slot 0 of this layer, then the next batch has other rows.
+        products[0] = []
+        backend.products_changed(products, 0)
+        segments = [LoRASegment(1, 4, 7), LoRASegment(0, 0, 4)]
+        backend.set_segments(segments, rows)
+        torch.testing.assert_close(call_linear(native, x, OUT_FEATURES).double(),
+                                   reference(base(x), x, products, segments), atol=1e-4, rtol=1e-5)
+        backend.set_segments([], rows)
+        assert torch.equal(call_linear(native, x, OUT_FEATURES), base(x)), "no adapter rows: the base product"
+
+
+def _has_dense_kernels() -> bool:
+    from srv.sdk.packed_linear import kernels
+
+    return kernels() is not None
