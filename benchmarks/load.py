@@ -30,6 +30,8 @@ def load_command(base_url: str, workload: Workload, tokenizer: Path, fresh_conne
         command += ["--warmup-requests", str(workload.warmup_requests)]
     if workload.instruction:
         command += ["--instruction", workload.instruction]
+    if workload.lora_adapters:
+        command += ["--model", ",".join(f"a{i}" for i in range(workload.lora_adapters))]
     if fresh_connections:
         command.append("--fresh-connections")
     return command

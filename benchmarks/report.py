@@ -11,7 +11,7 @@ from benchmarks.stats import median, medians, ratio, repetition_ratios
 from benchmarks.workloads import (INPUT_LEN, OUTPUT_LEN, SHARED_PREFIX_LEN, STEADY_REQUESTS_PER_CLIENT, SWEEP, W1,
                                   W1_CONCURRENCY, W1_HOG, W2, W2_CONCURRENCY, W2_STEADY, W3, W3_NGRAM, W5, W5_NGRAM,
                                   C64, C64_FLOAT32, C64_INT8, DENSE_FLAGS, FLOAT32_FLAGS, W3_DENSE, W3_FLOAT32, INT8_FLAGS, W1_FLOAT32, W1_INT8,
-                                  W3_INT8, W1_TP2, W3_TP2, W1_PP2, W3_PP2, W1_DP2, W3_DP2, TP2_FLAGS, PP2_FLAGS, DP2_FLAGS, W6, W6_FLAGS, W6_HICACHE, W6_HICACHE_FLAGS, W6_PREFIX_LEN, W6_PREFIXES,
+                                  W3_INT8, W1_TP2, W3_TP2, W1_PP2, W3_PP2, W1_DP2, W3_DP2, TP2_FLAGS, PP2_FLAGS, DP2_FLAGS, W6, W6_FLAGS, W6_HICACHE, W6_HICACHE_FLAGS, W6_PREFIX_LEN, W6_PREFIXES, W1_LORA, LORA_ADAPTERS,
                                   sweep_name, workloads)
 from benchmarks.hicache_restart import RESTART_FLAGS, RESTART_PROMPT_LEN, restart_rows
 
@@ -341,6 +341,20 @@ def parallel_section(results: BenchResults) -> list[str]:
             *md_table(["ratio", "by repetition", "median"], rows, "lrr"), ""]
 
 
+def lora_section(results: BenchResults) -> list[str]:
+    """W1 on LoRA adapters against W1 on srv's default, within each repetition."""
+    from benchmarks.lora import LORA_RANK
+
+    rows = ratio_rows(results, (("W1 on adapters / W1 srv default (tok/s)", SRV, W1_LORA, W1, "output_throughput"),))
+    if not rows:
+        return []
+    return ["### LoRA adapters", "",
+            f"W1 on srv launched with `--lora-paths` of {LORA_ADAPTERS} random adapters (rank {LORA_RANK}, every "
+            "linear layer), each request on one of them in turn, after its default server's runs; output tok/s as a "
+            "ratio within each repetition (1× would be free).", "",
+            *md_table(["ratio", "by repetition", "median"], rows, "lrr"), ""]
+
+
 def hicache_section(results: BenchResults) -> list[str]:
     """W6 with the hierarchical cache against W6 without, within each repetition; and the first
     request after a restart with file storage against a cold one, within each pair."""
@@ -416,6 +430,7 @@ def render(results: BenchResults, plot: str, notes: str) -> str:
               *dense_section(results),
               *hicache_section(results),
               *parallel_section(results),
+              *lora_section(results),
               *grammar_section(results),
               *machine_section(results), "",
               *limits_section(results), "",

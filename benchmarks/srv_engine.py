@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import importlib.metadata
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 from benchmarks.engine import Engine, measure_server, shell_line
 from benchmarks.load import SRV
+from benchmarks.lora import make_adapters
 from benchmarks.results import Run
 from benchmarks.servers import ServerProcess, free_port
 
@@ -18,6 +20,7 @@ logger = logging.getLogger("benchmarks")
 @dataclass
 class SrvEngine(Engine):
     name = "srv"
+    adapters: list[Path] = field(default_factory=list)   # the LoRA workloads' (made in prepare)
 
     def server(self, tag: str, *flags: str) -> ServerProcess:
         port = free_port()
@@ -31,21 +34,28 @@ class SrvEngine(Engine):
     def prepare(self) -> None:
         self.version = f"srv {importlib.metadata.version('srv')}, this checkout"
         self.chosen = "no flags: srv's defaults (the file's own Q4_1/Q8_0 weights, `--dtype auto`)"
+        adapters = max((w.lora_adapters for w in self.context.workloads), default=0)
+        self.adapters = make_adapters(self.context.model.hf_dir, self.context.log_dir / "lora-adapters", adapters)
         self.server_commands = [shell_line(self.command("PORT") + list(flags)) for flags in self.flag_sets()]
         # A first launch fills what a warm start reuses (the dequantized GGUF, the page cache).
         with self.server("prime") as server:
             logger.info("srv: priming launch")
             server.launch_to_first_token()
 
+    def flags(self, workload) -> tuple[str, ...]:
+        """The flags of the server a workload runs on: its own, and its adapters'."""
+        adapters = self.adapters[:workload.lora_adapters]
+        return workload.srv_flags + (("--lora-paths", *(f"{p.name}={p}" for p in adapters)) if adapters else ())
+
     def flag_sets(self) -> list[tuple[str, ...]]:
         """The servers a repetition launches: the default (no flags) first, then each workload's
         own flags, in order."""
-        return list(dict.fromkeys([(), *(w.srv_flags for w in self.context.workloads)]))
+        return list(dict.fromkeys([(), *(self.flags(w) for w in self.context.workloads)]))
 
     def run_rep(self, rep: int) -> list[Run]:
         runs = []
         for index, flags in enumerate(self.flag_sets()):
-            group = [w for w in self.context.workloads if w.srv_flags == flags]
+            group = [w for w in self.context.workloads if self.flags(w) == flags]
             # W4 (launch to first token) is the default server's.
             runs += measure_server(self, self.server(f"rep{rep}-{index}", *flags), group, rep, " ".join(flags),
                                    fresh_connections=False, with_launch=not flags)

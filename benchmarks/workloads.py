@@ -25,6 +25,9 @@ W3 and W1 run again on srv split three ways: `--tp-size 2` (two ranks of one tor
 thread), against srv's default (one process of two threads) in the same repetition: `-tp2`,
 `-pp2` and `-dp2`.
 
+W1 runs once more on srv serving four random LoRA adapters (rank 16, every linear layer), each
+request on one of them in turn (`-lora4`): what serving many fine-tunes of one model costs.
+
 W6 does not fit the KV pool: 8 distinct 1,024-token system prompts cycled by 16 clients, on srv
 launched with a pool of about two requests' context (`--max-total-tokens`), without and with
 the hierarchical cache (a host tier holding all eight prompts): what the host tier is for. Eight
@@ -59,6 +62,7 @@ class Workload:
     srv_flags: tuple[str, ...] = ()   # served by srv launched with these flags, not by the peers
     num_shared_prefixes: int = 1      # distinct shared prefixes, cycled (srv bench serve --num-shared-prefixes)
     warmup_requests: int = 1          # sent one at a time before the measured ones
+    lora_adapters: int = 0            # srv serves this many random adapters, requests cycle through them
 
     @property
     def speculative(self) -> bool:
@@ -119,6 +123,9 @@ DP2_FLAGS = ("--dp-size", "2")
 W3_TP2, W1_TP2 = (f"{w}-tp2" for w in (W3, W1))
 W3_PP2, W1_PP2 = (f"{w}-pp2" for w in (W3, W1))
 W3_DP2, W1_DP2 = (f"{w}-dp2" for w in (W3, W1))
+LORA_ADAPTERS = 4
+W1_LORA = f"{W1}-lora{LORA_ADAPTERS}"
+LORA_FLAGS = ("--max-loras-per-batch", str(LORA_ADAPTERS))   # and --lora-paths, made by the srv engine
 
 
 # What a peer's candidate configurations are compared on: one wave of W1.
@@ -128,7 +135,7 @@ PROBE = Workload("probe", W1_CONCURRENCY, W1_CONCURRENCY)
 def workloads(quick: bool) -> list[Workload]:
     """The sweep in increasing concurrency, the shared-prefix workload (burst, then steady), W1
     beside a hog, W5; then W3 and W5 again for srv with NGRAM, the int8, float32 and dense points, W6, and W3
-    and W1 split three ways."""
+    and W1 split three ways, and W1 on LoRA adapters."""
     sweep = [Workload(sweep_name(c), c, num_prompts(c, quick)) for c in SWEEP]
     burst = Workload(W2, W2_CONCURRENCY, num_prompts(W2_CONCURRENCY, quick), shared_prefix_len=SHARED_PREFIX_LEN)
     steady = Workload(W2_STEADY, W2_CONCURRENCY, W2_CONCURRENCY * (1 if quick else STEADY_REQUESTS_PER_CLIENT),
@@ -151,4 +158,6 @@ def workloads(quick: bool) -> list[Workload]:
                 for name, c, flags in ((W3_TP2, 1, TP2_FLAGS), (W1_TP2, W1_CONCURRENCY, TP2_FLAGS),
                                        (W3_PP2, 1, PP2_FLAGS), (W1_PP2, W1_CONCURRENCY, PP2_FLAGS),
                                        (W3_DP2, 1, DP2_FLAGS), (W1_DP2, W1_CONCURRENCY, DP2_FLAGS))]
-    return sweep + [burst, steady, hog, repeat] + speculative + int8 + float32 + dense + hierarchical + parallel
+    lora = [Workload(W1_LORA, W1_CONCURRENCY, num_prompts(W1_CONCURRENCY, quick), srv_flags=LORA_FLAGS,
+                     lora_adapters=LORA_ADAPTERS)]
+    return sweep + [burst, steady, hog, repeat] + speculative + int8 + float32 + dense + hierarchical + parallel + lora

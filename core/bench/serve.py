@@ -183,9 +183,11 @@ class Benchmark:
         shared = self._client()
         try:
             model = await self.resolve_model(shared)
+            # Several names (LoRA adapters, say): request i sends the i-th, in turn.
+            models = model.split(",") if model else [None]
             client = None if config.fresh_connections else shared
             for i, prompt in enumerate(warmups):
-                warm = await self._send(client, model, prompt)
+                warm = await self._send(client, models[i % len(models)], prompt)
                 if warm.success:
                     logger.info("warm-up request %d/%d: %d tokens in %.2fs", i + 1, len(warmups),
                                 warm.output_tokens, warm.latency)
@@ -199,7 +201,7 @@ class Benchmark:
             bar = tqdm(total=len(prompts), disable=config.disable_tqdm, unit="req", desc="srv bench serve")
             start = time.perf_counter()
 
-            async def one(arrival: float, prompt: Prompt) -> RequestResult:
+            async def one(arrival: float, prompt: Prompt, model: str | None) -> RequestResult:
                 delay = arrival - (time.perf_counter() - start)
                 if delay > 0:
                     await asyncio.sleep(delay)
@@ -211,7 +213,8 @@ class Benchmark:
                 bar.update(1)
                 return result
 
-            results = await asyncio.gather(*(one(t, p) for t, p in zip(arrivals, prompts)))
+            results = await asyncio.gather(*(one(t, p, models[i % len(models)])
+                                             for i, (t, p) in enumerate(zip(arrivals, prompts))))
             duration = time.perf_counter() - start
             bar.close()
         finally:

@@ -101,7 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--base-url", default="http://127.0.0.1:30000", help="the server's address")
     serve.add_argument("--endpoint", choices=["completions", "chat"], default="completions",
                        help="POST /v1/completions or /v1/chat/completions")
-    serve.add_argument("--model", help="the model name to send (default: the first id of GET /v1/models)")
+    serve.add_argument("--model", help="the model name to send (default: the first id of GET /v1/models); "
+                                        "several, comma-separated (LoRA adapters, say): request i sends the i-th in turn")
     serve.add_argument("--api-key", help="sent as a Bearer token")
     serve.add_argument("--concurrency", type=_positive_int, help="at most this many requests in flight")
     serve.add_argument("--request-rate", type=_rate, default=math.inf,
