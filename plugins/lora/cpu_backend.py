@@ -2,7 +2,9 @@
 (lora_kernels.c), and a C kernel for each wrapped layer so that a model's C decode steps keep it:
 the base layer's own kernel, then the adapters' products.
 
-Each adapter's A and B are kept in float32 (B transposed), the layout the kernel reads; a
+Each adapter's A and B are kept in the layouts the kernel reads (A transposed, its ranks padded to
+a vector; B transposed and cut into blocks of columns), in bfloat16 where the model serves
+bfloat16 (half the bytes each step reads) and float32 otherwise; a
 layer's table of what each slot adds is kept beside the layer's own list and refreshed when the
 core changes a slot (`products_changed`). The batch's rows by adapter (`set_segments`) are one
 table every layer's kernel reads.
@@ -24,6 +26,8 @@ from srv.sdk.lora import LoRABackend, LoRAProduct, LoRASegment
 from srv.sdk.native import NativeKernel, load_c_library
 
 MAX_PRODUCTS = 3   # a fused layer's targets (q, k and v)
+LANES = 16         # lora_kernels.c's vector: A^T's ranks are padded to a multiple of it
+COLUMNS = 64       # lora_kernels.c's block of B^T's columns
 ISAS = {"portable": 0, "avx2": 1, "avx512": 2}
 
 
@@ -31,8 +35,8 @@ ISAS = {"portable": 0, "avx2": 1, "avx512": 2}
 def kernels() -> ctypes.CDLL:
     # No instruction-set flags: each body is compiled for its own (target attributes) and the
     # batch names the one the CPU has.
-    library = load_c_library(Path(__file__).with_name("lora_kernels.c"))
-    library.srv_lora_add.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    library = load_c_library(Path(__file__).with_name("lora_kernels.c"), ("-ffp-contract=fast",))
+    library.srv_lora_add.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
     return library
 
 
@@ -49,9 +53,28 @@ def best_isa() -> str:
     return "avx2" if requires_cpu_flags("avx2", "fma")().ok else "portable"
 
 
+def kernel_layout(product: LoRAProduct) -> tuple[torch.Tensor, torch.Tensor]:
+    """A product's A and B as the kernel reads them: A^T [in][ranks padded to LANES] and B^T in
+    blocks of COLUMNS columns [blocks][rank][COLUMNS], bfloat16 or float32, the padding zeros."""
+    rank, in_features = product.a.shape
+    columns = product.b.shape[0]
+    dtype = weight_dtype(product)
+    at = torch.zeros(in_features, -(-rank // LANES) * LANES, dtype=dtype)
+    at[:, :rank] = product.a.t()
+    blocks = -(-columns // COLUMNS)
+    bt = torch.zeros(blocks * COLUMNS, rank, dtype=dtype)
+    bt[:columns] = product.b
+    return at, bt.view(blocks, COLUMNS, rank).transpose(1, 2).contiguous()
+
+
+def weight_dtype(product: LoRAProduct) -> torch.dtype:
+    return torch.bfloat16 if product.a.dtype == torch.bfloat16 else torch.float32
+
+
 class CProduct(ctypes.Structure):
     _fields_ = [("offset", ctypes.c_int64), ("columns", ctypes.c_int64), ("rank", ctypes.c_int64),
-                ("scaling", ctypes.c_float), ("a", ctypes.c_void_p), ("bt", ctypes.c_void_p)]
+                ("scaling", ctypes.c_float), ("bf16", ctypes.c_int64), ("at", ctypes.c_void_p),
+                ("bt", ctypes.c_void_p)]
 
 
 class CSlot(ctypes.Structure):
@@ -127,8 +150,7 @@ class CPULoRABackend(LoRABackend):
     def _prepare(self, product: LoRAProduct) -> tuple[torch.Tensor, torch.Tensor]:
         prepared = self._prepared.get(product)
         if prepared is None:
-            prepared = self._prepared[product] = (product.a.float().contiguous(),
-                                                  product.b.float().t().contiguous())
+            prepared = self._prepared[product] = kernel_layout(product)
         return prepared
 
     def _table(self, products: list[list[LoRAProduct]], in_features: int, out_features: int) -> LayerTable:
@@ -145,8 +167,9 @@ class CPULoRABackend(LoRABackend):
             raise ValueError(f"a layer with {len(products)} LoRA targets; the kernel takes at most {MAX_PRODUCTS}")
         held = [self._prepare(p) for p in products]
         entry = table.slots[slot]
-        for i, (p, (a, bt)) in enumerate(zip(products, held)):
-            entry.products[i] = CProduct(p.offset, bt.shape[1], a.shape[0], p.scaling, a.data_ptr(), bt.data_ptr())
+        for i, (p, (at, bt)) in enumerate(zip(products, held)):
+            entry.products[i] = CProduct(p.offset, p.b.shape[0], p.a.shape[0], p.scaling, at.dtype == torch.bfloat16,
+                                         at.data_ptr(), bt.data_ptr())
         entry.count = len(products)
         table.held[slot] = held   # the table points into them
 
@@ -160,9 +183,12 @@ class CPULoRABackend(LoRABackend):
         if segments is not self._segments:
             self.set_segments(segments, x.shape[0])
         table = self._table(products, x.shape[1], out.shape[1])
-        xs = x.to(torch.float32).contiguous()
-        ys = out if out.dtype == torch.float32 and out.is_contiguous() else out.to(torch.float32).contiguous()
-        kernels().srv_lora_add(ctypes.addressof(table.layer(None, self.batch)), xs.data_ptr(), ys.data_ptr())
+        # The kernel reads and writes float32 or bfloat16 rows; other dtypes go through float32.
+        dtype = out.dtype if out.dtype in (torch.float32, torch.bfloat16) else torch.float32
+        xs = x.to(dtype).contiguous()
+        ys = out if out.dtype == dtype and out.is_contiguous() else out.to(dtype).contiguous()
+        kernels().srv_lora_add(ctypes.addressof(table.layer(None, self.batch)), xs.data_ptr(), ys.data_ptr(),
+                               dtype == torch.bfloat16)
         if ys is not out:
             out.copy_(ys)
 

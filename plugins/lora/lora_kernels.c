@@ -4,15 +4,19 @@
  * The rows are grouped by adapter (the Python side lists each group's rows), and each group is
  * cut into chunks of `chunk` rows (--max-lora-chunk-size). Two passes, each over items that
  * write disjoint memory, shared among OpenMP's threads (torch's runtime and count):
- *   shrink: t[row][k] = sum_i A[k][i] x[row][i], an item being (group, chunk, target, 4 ranks);
+ *   shrink: t[row][k] = sum_i x[row][i] A^T[i][k], an item being (group, chunk, target,
+ *           RANK_BLOCK ranks);
  *   expand: y[row][offset + j] += scaling * sum_k t[row][k] B^T[k][j], an item being
- *           (group, chunk, target, 64 columns).
- * Both inner loops run over contiguous floats (A row-major [rank][in], B transposed [rank][out]),
- * four rows at a time so each weight line read serves four rows.
+ *           (group, chunk, target, COLUMNS columns).
+ * Both are outer products: a row's value, broadcast, times a vector of weights, so no sum ever
+ * runs across a vector's lanes, and each weight vector read serves a tile of rows. The weights are
+ * laid out in the order the passes read them, each item's in one contiguous run:
+ *   A^T [in][ranks padded to LANES], B^T in blocks of COLUMNS columns [blocks][rank][COLUMNS],
+ *   the padding zeros.
  *
  * Instruction sets, picked per batch (`isa`) by the Python side from the CPU's flags: 0 portable
- * C, 1 AVX2 with FMA, 2 AVX-512. One body, compiled three times by target attributes; the
- * compiler vectorizes its fixed-width loops for each.
+ * C, 1 AVX2 with FMA, 2 AVX-512. One body, compiled three times by target attributes with tile
+ * shapes that fit each one's registers; the compiler vectorizes its fixed-width loops for each.
  *
  * srv_lora_linear is a linear kernel of srv.sdk.native (NativeKernel's linear kind): the base
  * layer's own kernel, then the adapters' products, so a model's C decode steps keep the layer.
@@ -33,8 +37,9 @@ typedef void (*LinearFunction)(const void *context, const float *x, int64_t rows
 typedef struct {
     int64_t offset, columns, rank;
     float scaling;
-    const float *a;  /* [rank][in_features] */
-    const float *bt; /* [rank][columns] */
+    int64_t bf16;    /* the weights are bfloat16 (else float32) */
+    const void *at;  /* [in_features][padded rank] */
+    const void *bt;  /* [column blocks][rank][COLUMNS] */
 } LoraProduct;
 
 /* A fused layer holds at most three targets (q, k and v). */
@@ -62,81 +67,152 @@ typedef struct {
     const LoraBatch *batch;
 } LoraLayer;
 
-#define ROWS 4
-#define RANKS 4
 #define LANES 16
-#define COLUMNS 64
+#define RANK_BLOCK 32     /* ranks a shrink item computes: RANK_VECTORS vectors */
+#define RANK_VECTORS (RANK_BLOCK / LANES)
+#define COLUMNS 64        /* columns an expand item computes (B^T's block) */
+#define COLUMN_VECTORS (COLUMNS / LANES)
+#define MAX_TILE_ROWS 4
 
 /* LANES floats as one value (GCC's vector extension): the compiler splits it into the widest
  * registers the target has, so one loop serves every instruction set. Loaded unaligned. */
 typedef float Lanes __attribute__((vector_size(LANES * sizeof(float))));
 typedef float LanesUnaligned __attribute__((vector_size(LANES * sizeof(float)), aligned(4), may_alias));
 
-#define LOAD(p) (*(const LanesUnaligned *)(p))
+#define LOAD(p) ((Lanes)(*(const LanesUnaligned *)(p)))
+#define STORE(p, v) (*(LanesUnaligned *)(p) = (v))
+
+static inline int64_t padded_rank(int64_t rank) { return (rank + LANES - 1) / LANES * LANES; }
+
+/* bfloat16 values are float32's top halves: widening is a shift, narrowing rounds to nearest
+ * even (torch's rounding; a NaN stays a NaN). */
+typedef uint16_t HalvesUnaligned __attribute__((vector_size(LANES * sizeof(uint16_t)), aligned(2), may_alias));
+typedef uint16_t Halves __attribute__((vector_size(LANES * sizeof(uint16_t))));
+typedef uint32_t Words __attribute__((vector_size(LANES * sizeof(uint32_t))));
+
+static inline __attribute__((always_inline)) float widen(uint16_t h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline __attribute__((always_inline)) Lanes widen_lanes(const uint16_t *p) {
+    return (Lanes)(__builtin_convertvector(*(const HalvesUnaligned *)p, Words) << 16);
+}
+
+static inline __attribute__((always_inline)) uint16_t narrow(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1)) >> 16);
+}
+
+static inline __attribute__((always_inline)) Halves narrow_lanes(Lanes v) {
+    const Words bits = (Words)v;
+    const Words rounded = (bits + 0x7fffu + ((bits >> 16) & 1)) >> 16;
+    const Words nan = (bits & 0x7fffffffu) > 0x7f800000u;   /* all ones where NaN */
+    return __builtin_convertvector((rounded & ~nan) | (((bits >> 16) | 0x40) & nan), Halves);
+}
+
+/* Element i of float32 or bfloat16 values (`bf16` a constant where inlined). */
+#define VALUE(p, i, bf16) ((bf16) ? widen(((const uint16_t *)(p))[i]) : ((const float *)(p))[i])
+#define WEIGHTS(p, i, bf16) ((bf16) ? widen_lanes((const uint16_t *)(p) + (i)) : LOAD((const float *)(p) + (i)))
 
 typedef struct {
     int64_t group, first, count; /* rows [first, first + count) of the group */
     int64_t product, block;      /* the target, and the block of ranks or columns */
-    float *t;                    /* the group's t rows for this target: [group rows][rank] */
+    float *t;                    /* the group's t rows for this target: [group rows][padded rank] */
 } Item;
 
-static inline __attribute__((always_inline)) void shrink(const LoraLayer *layer, const Item *item, const float *x) {
+static inline const LoraProduct *product_of(const LoraLayer *layer, const Item *item) {
+    return &layer->slots[layer->batch->slot[item->group]].products[item->product];
+}
+
+/* Tiles of `tile` rows; the weights (`weights_bf16`) and x (`x_bf16`) float32 or bfloat16. All
+ * three are constants where inlined. */
+static inline __attribute__((always_inline)) void shrink(const LoraLayer *layer, const Item *item, const void *x,
+                                                         const int64_t tile, const int weights_bf16,
+                                                         const int x_bf16) {
     const LoraBatch *b = layer->batch;
-    const LoraProduct *p = &layer->slots[b->slot[item->group]].products[item->product];
-    const int64_t in = layer->in_features, rank = p->rank, body = in - in % LANES;
+    const LoraProduct *p = product_of(layer, item);
+    const int64_t in = layer->in_features, stride = padded_rank(p->rank);
     const int64_t *rows = b->rows + b->starts[item->group];
-    const int64_t k0 = item->block * RANKS, k1 = k0 + RANKS < rank ? k0 + RANKS : rank;
+    const int64_t v0 = item->block * RANK_VECTORS;
+    const int64_t vectors = stride / LANES - v0 < RANK_VECTORS ? stride / LANES - v0 : RANK_VECTORS;
     const int64_t end = item->first + item->count;
-    for (int64_t r0 = item->first; r0 < end; r0 += ROWS) {
-        const int64_t n = end - r0 < ROWS ? end - r0 : ROWS;
-        const float *xr[ROWS];
-        for (int64_t r = 0; r < ROWS; r++) xr[r] = x + rows[r0 + (r < n ? r : 0)] * in;
-        for (int64_t k = k0; k < k1; k++) {
-            const float *a = p->a + k * in;
-            Lanes lanes[ROWS] = {0};
-            for (int64_t i = 0; i < body; i += LANES) {
-                const Lanes weights = LOAD(a + i);
-                for (int64_t r = 0; r < ROWS; r++) lanes[r] += weights * LOAD(xr[r] + i);
+    for (int64_t r0 = item->first; r0 < end; r0 += tile) {
+        const int64_t n = end - r0 < tile ? end - r0 : tile;
+        int64_t xr[MAX_TILE_ROWS]; /* each tile row's first element in x */
+        for (int64_t r = 0; r < tile; r++) xr[r] = rows[r0 + (r < n ? r : 0)] * in;
+        Lanes acc[MAX_TILE_ROWS][RANK_VECTORS] = {{0}};
+        const int64_t a0 = v0 * LANES;
+        if (vectors == RANK_VECTORS) {
+            for (int64_t i = 0; i < in; i++)
+                for (int64_t v = 0; v < RANK_VECTORS; v++) {
+                    const Lanes weights = WEIGHTS(p->at, i * stride + a0 + v * LANES, weights_bf16);
+                    for (int64_t r = 0; r < tile; r++) acc[r][v] += VALUE(x, xr[r] + i, x_bf16) * weights;
+                }
+        } else {
+            for (int64_t i = 0; i < in; i++) {
+                const Lanes weights = WEIGHTS(p->at, i * stride + a0, weights_bf16);
+                for (int64_t r = 0; r < tile; r++) acc[r][0] += VALUE(x, xr[r] + i, x_bf16) * weights;
             }
-            for (int64_t r = 0; r < n; r++) {
-                float sum = 0.0f;
-                for (int64_t l = 0; l < LANES; l++) sum += lanes[r][l];
-                for (int64_t i = body; i < in; i++) sum += a[i] * xr[r][i];
-                item->t[(r0 + r) * rank + k] = sum;
-            }
+        }
+        for (int64_t r = 0; r < n; r++)
+            for (int64_t v = 0; v < vectors; v++) STORE(item->t + (r0 + r) * stride + (v0 + v) * LANES, acc[r][v]);
+    }
+}
+
+/* y's columns [j, j + width) of a row, width at most LANES, plus `delta`. */
+static inline __attribute__((always_inline)) void add_to(void *y, int64_t j, int64_t width, Lanes delta,
+                                                         const int y_bf16) {
+    if (width == LANES) {
+        if (y_bf16) {
+            HalvesUnaligned *h = (HalvesUnaligned *)((uint16_t *)y + j);
+            *h = narrow_lanes(widen_lanes((const uint16_t *)y + j) + delta);
+        } else {
+            STORE((float *)y + j, LOAD((const float *)y + j) + delta);
+        }
+    } else {
+        for (int64_t l = 0; l < width; l++) {
+            if (y_bf16) ((uint16_t *)y)[j + l] = narrow(widen(((const uint16_t *)y)[j + l]) + delta[l]);
+            else ((float *)y)[j + l] += delta[l];
         }
     }
 }
 
-static inline __attribute__((always_inline)) void expand(const LoraLayer *layer, const Item *item, float *y) {
+/* Tiles of `tile` rows times `vectors` vectors of columns, COLUMNS / (vectors * LANES) of them
+ * an item; the weights and y float32 or bfloat16. All constants where inlined. */
+static inline __attribute__((always_inline)) void expand(const LoraLayer *layer, const Item *item, void *y,
+                                                         const int64_t tile, const int64_t vectors,
+                                                         const int weights_bf16, const int y_bf16) {
     const LoraBatch *b = layer->batch;
-    const LoraProduct *p = &layer->slots[b->slot[item->group]].products[item->product];
-    const int64_t out = layer->out_features, rank = p->rank;
+    const LoraProduct *p = product_of(layer, item);
+    const int64_t out = layer->out_features, rank = p->rank, stride = padded_rank(rank);
     const int64_t *rows = b->rows + b->starts[item->group];
-    const int64_t j0 = item->block * COLUMNS, j1 = j0 + COLUMNS < p->columns ? j0 + COLUMNS : p->columns;
+    const int64_t j0 = item->block * COLUMNS;
+    const int64_t width = p->columns - j0 < COLUMNS ? p->columns - j0 : COLUMNS;
+    const int64_t block = item->block * rank * COLUMNS; /* the block's first weight */
     const int64_t end = item->first + item->count;
-    for (int64_t r0 = item->first; r0 < end; r0 += ROWS) {
-        const int64_t n = end - r0 < ROWS ? end - r0 : ROWS;
-        float tk[ROWS];
-        for (int64_t j = j0; j < j1; j += LANES) {
-            const int64_t width = j1 - j < LANES ? j1 - j : LANES;
-            Lanes acc[ROWS] = {0};
-            if (width == LANES) {
-                for (int64_t k = 0; k < rank; k++) {
-                    const Lanes weights = LOAD(p->bt + k * p->columns + j);
-                    for (int64_t r = 0; r < ROWS; r++) tk[r] = item->t[(r0 + (r < n ? r : 0)) * rank + k];
-                    for (int64_t r = 0; r < ROWS; r++) acc[r] += tk[r] * weights;
+    for (int64_t r0 = item->first; r0 < end; r0 += tile) {
+        const int64_t n = end - r0 < tile ? end - r0 : tile;
+        const float *tr[MAX_TILE_ROWS];
+        for (int64_t r = 0; r < tile; r++) tr[r] = item->t + (r0 + (r < n ? r : 0)) * stride;
+        for (int64_t c = 0; c < COLUMN_VECTORS; c += vectors) {
+            Lanes acc[MAX_TILE_ROWS][COLUMN_VECTORS] = {{0}};
+            for (int64_t k = 0; k < rank; k++)
+                for (int64_t v = 0; v < vectors; v++) {
+                    const Lanes weights = WEIGHTS(p->bt, block + k * COLUMNS + (c + v) * LANES, weights_bf16);
+                    for (int64_t r = 0; r < tile; r++) acc[r][v] += tr[r][k] * weights;
                 }
-            } else {
-                for (int64_t k = 0; k < rank; k++) {
-                    const float *bt = p->bt + k * p->columns + j;
-                    for (int64_t r = 0; r < n; r++)
-                        for (int64_t l = 0; l < width; l++) acc[r][l] += item->t[(r0 + r) * rank + k] * bt[l];
-                }
-            }
             for (int64_t r = 0; r < n; r++) {
-                float *yr = y + rows[r0 + r] * out + p->offset + j;
-                for (int64_t l = 0; l < width; l++) yr[l] += p->scaling * acc[r][l];
+                const int64_t first = rows[r0 + r] * out + p->offset + j0; /* the row's first column here */
+                for (int64_t v = 0; v < vectors; v++) {
+                    const int64_t j = (c + v) * LANES;
+                    if (j < width)
+                        add_to(y, first + j, width - j < LANES ? width - j : LANES, p->scaling * acc[r][v], y_bf16);
+                }
             }
         }
     }
@@ -146,7 +222,6 @@ static inline __attribute__((always_inline)) void expand(const LoraLayer *layer,
 static int64_t list_items(const LoraLayer *layer, float *t, Item *items, int64_t *shrinks) {
     const LoraBatch *b = layer->batch;
     int64_t count = 0, expand_count = 0;
-    /* Shrink items, then expand items after them (two passes over the same list). */
     for (int pass = 0; pass < 2; pass++) {
         float *scratch = t;
         for (int64_t g = 0; g < b->groups; g++) {
@@ -154,14 +229,15 @@ static int64_t list_items(const LoraLayer *layer, float *t, Item *items, int64_t
             const int64_t size = b->starts[g + 1] - b->starts[g];
             for (int64_t q = 0; q < slot->count; q++) {
                 const LoraProduct *p = &slot->products[q];
-                const int64_t blocks = pass == 0 ? (p->rank + RANKS - 1) / RANKS : (p->columns + COLUMNS - 1) / COLUMNS;
+                const int64_t blocks = pass == 0 ? (p->rank + RANK_BLOCK - 1) / RANK_BLOCK
+                                                 : (p->columns + COLUMNS - 1) / COLUMNS;
                 for (int64_t first = 0; first < size; first += b->chunk)
                     for (int64_t block = 0; block < blocks; block++) {
                         Item *item = &items[count++];
                         item->group = g, item->first = first, item->product = q, item->block = block, item->t = scratch;
                         item->count = size - first < b->chunk ? size - first : b->chunk;
                     }
-                scratch += size * p->rank;
+                scratch += size * padded_rank(p->rank);
             }
         }
         if (pass == 0) *shrinks = count;
@@ -170,7 +246,7 @@ static int64_t list_items(const LoraLayer *layer, float *t, Item *items, int64_t
     return expand_count;
 }
 
-/* Upper bounds of the items and t floats of a batch on a layer. */
+/* Upper bounds of the items and t floats of a batch on a layer, and its multiply-adds. */
 static void sizes(const LoraLayer *layer, int64_t *items, int64_t *floats, int64_t *work) {
     const LoraBatch *b = layer->batch;
     *items = *floats = *work = 0;
@@ -179,34 +255,63 @@ static void sizes(const LoraLayer *layer, int64_t *items, int64_t *floats, int64
         const int64_t size = b->starts[g + 1] - b->starts[g], chunks = (size + b->chunk - 1) / b->chunk;
         for (int64_t q = 0; q < slot->count; q++) {
             const LoraProduct *p = &slot->products[q];
-            *items += chunks * ((p->rank + RANKS - 1) / RANKS + (p->columns + COLUMNS - 1) / COLUMNS);
-            *floats += size * p->rank;
+            *items += chunks * ((p->rank + RANK_BLOCK - 1) / RANK_BLOCK + (p->columns + COLUMNS - 1) / COLUMNS);
+            *floats += size * padded_rank(p->rank);
             *work += size * p->rank * (layer->in_features + p->columns);
         }
     }
 }
 
-#define LORA_ADD(name, target)                                                                      \
+/* One item of each pass, its weights' and the rows' dtypes made constants. */
+#define SHRINK(tile)                                                                                \
+    do {                                                                                            \
+        if (product_of(layer, item)->bf16) {                                                        \
+            if (bf16) shrink(layer, item, x, tile, 1, 1); else shrink(layer, item, x, tile, 1, 0);  \
+        } else {                                                                                    \
+            if (bf16) shrink(layer, item, x, tile, 0, 1); else shrink(layer, item, x, tile, 0, 0);  \
+        }                                                                                           \
+    } while (0)
+#define EXPAND(tile, vectors)                                                                       \
+    do {                                                                                            \
+        if (product_of(layer, item)->bf16) {                                                        \
+            if (bf16) expand(layer, item, y, tile, vectors, 1, 1);                                  \
+            else expand(layer, item, y, tile, vectors, 1, 0);                                       \
+        } else {                                                                                    \
+            if (bf16) expand(layer, item, y, tile, vectors, 0, 1);                                  \
+            else expand(layer, item, y, tile, vectors, 0, 0);                                       \
+        }                                                                                           \
+    } while (0)
+
+/* Tile shapes: AVX-512's 32 registers hold 4 rows by 4 vectors of accumulators; AVX2's 16 (two
+ * a vector) and SSE's 16 (four a vector) hold fewer. */
+#define LORA_ADD(name, target, shrink_tile, expand_tile, expand_vectors)                           \
     target static void name(const LoraLayer *layer, const Item *items, int64_t shrinks, int64_t expands, \
-                            const float *x, float *y, int parallel) {                               \
+                            const void *x, void *y, int bf16, int parallel) {                       \
         _Pragma("omp parallel if (parallel)")                                                        \
         {                                                                                            \
             _Pragma("omp for schedule(dynamic)")                                                     \
-            for (int64_t i = 0; i < shrinks; i++) shrink(layer, &items[i], x);                       \
+            for (int64_t i = 0; i < shrinks; i++) {                                                  \
+                const Item *item = &items[i];                                                        \
+                SHRINK(shrink_tile);                                                                 \
+            }                                                                                        \
             _Pragma("omp for schedule(dynamic)")                                                     \
-            for (int64_t i = 0; i < expands; i++) expand(layer, &items[shrinks + i], y);             \
+            for (int64_t i = 0; i < expands; i++) {                                                  \
+                const Item *item = &items[shrinks + i];                                              \
+                EXPAND(expand_tile, expand_vectors);                                                 \
+            }                                                                                        \
         }                                                                                            \
     }
 
-LORA_ADD(add_portable, )
-LORA_ADD(add_avx2, __attribute__((target("avx2,fma"))))
-LORA_ADD(add_avx512, __attribute__((target("avx512f,avx2,fma"))))
+LORA_ADD(add_portable, , 2, 2, 1)
+LORA_ADD(add_avx2, __attribute__((target("avx2,fma"))), 2, 2, 2)
+LORA_ADD(add_avx512, __attribute__((target("avx512f,avx512bw,avx2,fma"))), 4, 4, 4)
 
 /* Below this many multiply-adds a layer, one thread does it all (a fork costs more). */
 #define PARALLEL_WORK 65536
 
-/* y [rows][out_features] += each batch row's adapter's products of x [rows][in_features]. */
-void srv_lora_add(const LoraLayer *layer, const float *x, float *y) {
+/* y [rows][out_features] += each batch row's adapter's products of x [rows][in_features]; x and
+ * y float32, or bfloat16 where `bf16`. */
+void srv_lora_add(const LoraLayer *layer, const void *x, void *y, int64_t bf16) {
     const LoraBatch *b = layer->batch;
     if (b->groups == 0) return;
     int64_t item_count, floats, work, shrinks = 0;
@@ -216,9 +321,9 @@ void srv_lora_add(const LoraLayer *layer, const float *x, float *y) {
     float *t = malloc((size_t)floats * sizeof(float));
     const int64_t expands = list_items(layer, t, items, &shrinks);
     const int parallel = work >= PARALLEL_WORK;
-    if (b->isa == 2) add_avx512(layer, items, shrinks, expands, x, y, parallel);
-    else if (b->isa == 1) add_avx2(layer, items, shrinks, expands, x, y, parallel);
-    else add_portable(layer, items, shrinks, expands, x, y, parallel);
+    if (b->isa == 2) add_avx512(layer, items, shrinks, expands, x, y, bf16 != 0, parallel);
+    else if (b->isa == 1) add_avx2(layer, items, shrinks, expands, x, y, bf16 != 0, parallel);
+    else add_portable(layer, items, shrinks, expands, x, y, bf16 != 0, parallel);
     free(t);
     free(items);
 }
@@ -227,5 +332,5 @@ void srv_lora_add(const LoraLayer *layer, const float *x, float *y) {
 void srv_lora_linear(const void *context, const float *x, int64_t rows, float *y) {
     const LoraLayer *layer = context;
     ((LinearFunction)layer->base.function)(layer->base.context, x, rows, y);
-    srv_lora_add(layer, x, y);
+    srv_lora_add(layer, x, y, 0);
 }

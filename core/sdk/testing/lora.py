@@ -75,6 +75,25 @@ class LoRABackendKit:
         untouched = [*range(3, 5), 12]
         assert torch.equal(out[untouched], before[untouched]), "base-model rows, or an adapter with no product here"
 
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+    def test_ranks_and_widths_of_real_layers(self, dtype: torch.dtype) -> None:
+        """Ranks 16 to 64 and a few hundred columns, as real adapters have (kernels work in
+        blocks of ranks and columns: this crosses their edges), on rows of one adapter and many."""
+        generator = torch.Generator().manual_seed(3)
+        in_features, out_features = 96, 328
+        products = [[LoRAProduct(0, torch.randn(rank, in_features, generator=generator).to(dtype) / 10,
+                                 torch.randn(out_features - 8, rank, generator=generator).to(dtype) / 10, 2.0)]
+                    for rank in (16, 40, 64)]
+        segments = [LoRASegment(2, 0, 37), LoRASegment(0, 37, 40), LoRASegment(1, 40, 45), LoRASegment(2, 45, 46)]
+        x = torch.randn(46, in_features, generator=generator).to(dtype)
+        out = torch.randn(46, out_features, generator=generator).to(dtype)
+        expected = reference(out, x, products, segments)
+        before = out.clone()
+        self.make_backend().add(out, x, products, segments)
+        atol, rtol = (1e-4, 1e-5) if dtype == torch.float32 else (0.1, 2e-2)
+        torch.testing.assert_close(out.double(), expected, atol=atol, rtol=rtol)
+        assert torch.equal(out[:, -8:], before[:, -8:]), "columns no product targets"
+
     def test_no_segments_change_nothing(self) -> None:
         generator = torch.Generator().manual_seed(1)
         products = random_products(generator, torch.float32)
