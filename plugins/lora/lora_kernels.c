@@ -116,7 +116,6 @@ static inline __attribute__((always_inline)) Halves narrow_lanes(Lanes v) {
 }
 
 /* Element i of float32 or bfloat16 values (`bf16` a constant where inlined). */
-#define VALUE(p, i, bf16) ((bf16) ? widen(((const uint16_t *)(p))[i]) : ((const float *)(p))[i])
 #define WEIGHTS(p, i, bf16) ((bf16) ? widen_lanes((const uint16_t *)(p) + (i)) : LOAD((const float *)(p) + (i)))
 
 typedef struct {
@@ -129,11 +128,12 @@ static inline const LoraProduct *product_of(const LoraLayer *layer, const Item *
     return &layer->slots[layer->batch->slot[item->group]].products[item->product];
 }
 
-/* Tiles of `tile` rows; the weights (`weights_bf16`) and x (`x_bf16`) float32 or bfloat16. All
- * three are constants where inlined. */
-static inline __attribute__((always_inline)) void shrink(const LoraLayer *layer, const Item *item, const void *x,
-                                                         const int64_t tile, const int weights_bf16,
-                                                         const int x_bf16) {
+/* Tiles of `tile` rows; the weights float32 or bfloat16 (`weights_bf16`; both constants where
+ * inlined). x is float32: the batch's rows as they are (`widened` NULL), or, for bfloat16 rows,
+ * `widened`, their float32 copies in the order of the batch's row list. */
+static inline __attribute__((always_inline)) void shrink(const LoraLayer *layer, const Item *item, const float *x,
+                                                         const float *widened, const int64_t tile,
+                                                         const int weights_bf16) {
     const LoraBatch *b = layer->batch;
     const LoraProduct *p = product_of(layer, item);
     const int64_t in = layer->in_features, stride = padded_rank(p->rank);
@@ -143,20 +143,23 @@ static inline __attribute__((always_inline)) void shrink(const LoraLayer *layer,
     const int64_t end = item->first + item->count;
     for (int64_t r0 = item->first; r0 < end; r0 += tile) {
         const int64_t n = end - r0 < tile ? end - r0 : tile;
-        int64_t xr[MAX_TILE_ROWS]; /* each tile row's first element in x */
-        for (int64_t r = 0; r < tile; r++) xr[r] = rows[r0 + (r < n ? r : 0)] * in;
+        const float *xr[MAX_TILE_ROWS];
+        for (int64_t r = 0; r < tile; r++) {
+            const int64_t row = r0 + (r < n ? r : 0);
+            xr[r] = widened ? widened + (b->starts[item->group] + row) * in : x + rows[row] * in;
+        }
         Lanes acc[MAX_TILE_ROWS][RANK_VECTORS] = {{0}};
         const int64_t a0 = v0 * LANES;
         if (vectors == RANK_VECTORS) {
             for (int64_t i = 0; i < in; i++)
                 for (int64_t v = 0; v < RANK_VECTORS; v++) {
                     const Lanes weights = WEIGHTS(p->at, i * stride + a0 + v * LANES, weights_bf16);
-                    for (int64_t r = 0; r < tile; r++) acc[r][v] += VALUE(x, xr[r] + i, x_bf16) * weights;
+                    for (int64_t r = 0; r < tile; r++) acc[r][v] += xr[r][i] * weights;
                 }
         } else {
             for (int64_t i = 0; i < in; i++) {
                 const Lanes weights = WEIGHTS(p->at, i * stride + a0, weights_bf16);
-                for (int64_t r = 0; r < tile; r++) acc[r][0] += VALUE(x, xr[r] + i, x_bf16) * weights;
+                for (int64_t r = 0; r < tile; r++) acc[r][0] += xr[r][i] * weights;
             }
         }
         for (int64_t r = 0; r < n; r++)
@@ -262,14 +265,11 @@ static void sizes(const LoraLayer *layer, int64_t *items, int64_t *floats, int64
     }
 }
 
-/* One item of each pass, its weights' and the rows' dtypes made constants. */
+/* One item of each pass, its weights' and y's dtypes made constants. */
 #define SHRINK(tile)                                                                                \
     do {                                                                                            \
-        if (product_of(layer, item)->bf16) {                                                        \
-            if (bf16) shrink(layer, item, x, tile, 1, 1); else shrink(layer, item, x, tile, 1, 0);  \
-        } else {                                                                                    \
-            if (bf16) shrink(layer, item, x, tile, 0, 1); else shrink(layer, item, x, tile, 0, 0);  \
-        }                                                                                           \
+        if (product_of(layer, item)->bf16) shrink(layer, item, x, widened, tile, 1);                \
+        else shrink(layer, item, x, widened, tile, 0);                                              \
     } while (0)
 #define EXPAND(tile, vectors)                                                                       \
     do {                                                                                            \
@@ -283,12 +283,25 @@ static void sizes(const LoraLayer *layer, int64_t *items, int64_t *floats, int64
     } while (0)
 
 /* Tile shapes: AVX-512's 32 registers hold 4 rows by 4 vectors of accumulators; AVX2's 16 (two
- * a vector) and SSE's 16 (four a vector) hold fewer. */
+ * a vector) and SSE's 16 (four a vector) hold fewer. bfloat16 rows are widened first, once each
+ * (every target and rank block of the layer reads them). */
 #define LORA_ADD(name, target, shrink_tile, expand_tile, expand_vectors)                           \
     target static void name(const LoraLayer *layer, const Item *items, int64_t shrinks, int64_t expands, \
-                            const void *x, void *y, int bf16, int parallel) {                       \
+                            const void *rows, void *y, float *widened, int bf16, int parallel) {    \
+        const LoraBatch *b = layer->batch;                                                           \
+        const int64_t in = layer->in_features, listed = b->starts[b->groups], body = in - in % LANES; \
+        const float *x = rows;                                                                       \
         _Pragma("omp parallel if (parallel)")                                                        \
         {                                                                                            \
+            if (widened) {                                                                           \
+                _Pragma("omp for")                                                                   \
+                for (int64_t r = 0; r < listed; r++) {                                               \
+                    const uint16_t *from = (const uint16_t *)rows + b->rows[r] * in;                 \
+                    float *to = widened + r * in;                                                    \
+                    for (int64_t i = 0; i < body; i += LANES) STORE(to + i, widen_lanes(from + i));  \
+                    for (int64_t i = body; i < in; i++) to[i] = widen(from[i]);                      \
+                }                                                                                    \
+            }                                                                                        \
             _Pragma("omp for schedule(dynamic)")                                                     \
             for (int64_t i = 0; i < shrinks; i++) {                                                  \
                 const Item *item = &items[i];                                                        \
@@ -319,11 +332,13 @@ void srv_lora_add(const LoraLayer *layer, const void *x, void *y, int64_t bf16) 
     if (item_count == 0) return;
     Item *items = malloc((size_t)item_count * sizeof(Item));
     float *t = malloc((size_t)floats * sizeof(float));
+    float *widened = bf16 ? malloc((size_t)(b->starts[b->groups] * layer->in_features) * sizeof(float)) : NULL;
     const int64_t expands = list_items(layer, t, items, &shrinks);
     const int parallel = work >= PARALLEL_WORK;
-    if (b->isa == 2) add_avx512(layer, items, shrinks, expands, x, y, bf16 != 0, parallel);
-    else if (b->isa == 1) add_avx2(layer, items, shrinks, expands, x, y, bf16 != 0, parallel);
-    else add_portable(layer, items, shrinks, expands, x, y, bf16 != 0, parallel);
+    if (b->isa == 2) add_avx512(layer, items, shrinks, expands, x, y, widened, bf16 != 0, parallel);
+    else if (b->isa == 1) add_avx2(layer, items, shrinks, expands, x, y, widened, bf16 != 0, parallel);
+    else add_portable(layer, items, shrinks, expands, x, y, widened, bf16 != 0, parallel);
+    free(widened);
     free(t);
     free(items);
 }
