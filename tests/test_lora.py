@@ -31,14 +31,22 @@ class TestCPULoRA(LoRABackendKit):
     backend_name = "cpu"
 
 
-def cpu_backend_on(isa: str):
+def cpu_backend_on(isa: str | None = None, parallel_work: int | None = None):
     def factory(server_args):
         from srv.plugins.lora.cpu_backend import CPULoRABackend
 
         backend = CPULoRABackend(server_args)
-        backend.isa = isa
+        if isa is not None:
+            backend.isa = isa
+        if parallel_work is not None:
+            backend.batch.parallel_work = parallel_work
         return backend
     return staticmethod(factory)
+
+
+class TestCPULoRAThreaded(LoRABackendKit):
+    """The passes shared among threads, as a prefill's many rows run them."""
+    backend_factory = cpu_backend_on(parallel_work=0)
 
 
 class TestCPULoRAPortable(LoRABackendKit):

@@ -29,6 +29,10 @@ MAX_PRODUCTS = 3   # a fused layer's targets (q, k and v)
 LANES = 16         # lora_kernels.c's vector: A^T's ranks are padded to a multiple of it
 COLUMNS = 64       # lora_kernels.c's block of B^T's columns
 ISAS = {"portable": 0, "avx2": 1, "avx512": 2}
+# Below this many multiply-adds a layer (a decode step's few rows), one thread does it all: the
+# passes are bound by reading the adapters' weights, which a second thread barely speeds up, while
+# each barrier of the passes waits for any thread the machine has descheduled.
+PARALLEL_WORK = 1 << 21
 
 
 @functools.cache
@@ -83,7 +87,8 @@ class CSlot(ctypes.Structure):
 
 class CBatch(ctypes.Structure):
     _fields_ = [("groups", ctypes.c_int64), ("slot", ctypes.c_void_p), ("starts", ctypes.c_void_p),
-                ("rows", ctypes.c_void_p), ("chunk", ctypes.c_int64), ("isa", ctypes.c_int64)]
+                ("rows", ctypes.c_void_p), ("chunk", ctypes.c_int64), ("isa", ctypes.c_int64),
+                ("parallel_work", ctypes.c_int64)]
 
 
 class CLayer(ctypes.Structure):
@@ -114,7 +119,7 @@ class CPULoRABackend(LoRABackend):
         super().__init__(server_args)
         kernels()
         chunk = getattr(server_args, "max_lora_chunk_size", None) or 16
-        self.batch = CBatch(0, None, None, None, chunk, ISAS[best_isa()])
+        self.batch = CBatch(0, None, None, None, chunk, ISAS[best_isa()], PARALLEL_WORK)
         self._batch_arrays: tuple[torch.Tensor, ...] = ()
         self._segments: list[LoRASegment] | None = None
         self._tables: dict[int, LayerTable] = {}

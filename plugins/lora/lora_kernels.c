@@ -58,6 +58,7 @@ typedef struct {
     const int64_t *rows;   /* row indices into x and y, group after group */
     int64_t chunk;         /* rows of a group an item covers */
     int64_t isa;
+    int64_t parallel_work; /* the multiply-adds a layer from which OpenMP's threads share it */
 } LoraBatch;
 
 typedef struct {
@@ -319,9 +320,6 @@ LORA_ADD(add_portable, , 2, 2, 1)
 LORA_ADD(add_avx2, __attribute__((target("avx2,fma"))), 2, 2, 2)
 LORA_ADD(add_avx512, __attribute__((target("avx512f,avx512bw,avx2,fma"))), 4, 4, 4)
 
-/* Below this many multiply-adds a layer, one thread does it all (a fork costs more). */
-#define PARALLEL_WORK 65536
-
 /* y [rows][out_features] += each batch row's adapter's products of x [rows][in_features]; x and
  * y float32, or bfloat16 where `bf16`. */
 void srv_lora_add(const LoraLayer *layer, const void *x, void *y, int64_t bf16) {
@@ -334,7 +332,7 @@ void srv_lora_add(const LoraLayer *layer, const void *x, void *y, int64_t bf16) 
     float *t = malloc((size_t)floats * sizeof(float));
     float *widened = bf16 ? malloc((size_t)(b->starts[b->groups] * layer->in_features) * sizeof(float)) : NULL;
     const int64_t expands = list_items(layer, t, items, &shrinks);
-    const int parallel = work >= PARALLEL_WORK;
+    const int parallel = work >= b->parallel_work;
     if (b->isa == 2) add_avx512(layer, items, shrinks, expands, x, y, widened, bf16 != 0, parallel);
     else if (b->isa == 1) add_avx2(layer, items, shrinks, expands, x, y, widened, bf16 != 0, parallel);
     else add_portable(layer, items, shrinks, expands, x, y, widened, bf16 != 0, parallel);
