@@ -66,6 +66,20 @@ def load_c_library(source: Path, flags: tuple[str, ...] = ()) -> ctypes.CDLL:
     return ctypes.CDLL(str(target))
 
 
+def pick_isa(ladder: dict[str, tuple[str, ...]], override: str) -> str:
+    """The first of `ladder`'s kernel bodies (fastest first, each with the CPU flags it needs as
+    /proc/cpuinfo spells them; the last should need none) that this CPU runs. The environment
+    variable `override` names another, a slower one to test it; an unknown name is a ValueError."""
+    from srv.sdk.registration import requires_cpu_flags
+
+    forced = os.environ.get(override)
+    if forced:
+        if forced not in ladder:
+            raise ValueError(f"{override}={forced}: one of {', '.join(ladder)}")
+        return forced
+    return next((name for name, flags in ladder.items() if requires_cpu_flags(*flags)().ok), list(ladder)[-1])
+
+
 class NativeKernel(ctypes.Structure):
     """A C function and the context it is called with, handed from one plugin to another.
 

@@ -21,9 +21,8 @@ from pathlib import Path
 
 import torch
 
-from srv.sdk import requires_cpu_flags
 from srv.sdk.lora import LoRABackend, LoRAProduct, LoRASegment
-from srv.sdk.native import NativeKernel, load_c_library
+from srv.sdk.native import NativeKernel, load_c_library, pick_isa
 
 MAX_PRODUCTS = 3   # a fused layer's targets (q, k and v)
 LANES = 16         # lora_kernels.c's vector: A^T's ranks are padded to a multiple of it
@@ -47,14 +46,7 @@ def kernels() -> ctypes.CDLL:
 @functools.cache
 def best_isa() -> str:
     """The fastest kernel this CPU runs; $SRV_LORA_ISA picks another (a slower one, to test it)."""
-    forced = os.environ.get("SRV_LORA_ISA")
-    if forced:
-        if forced not in ISAS:
-            raise ValueError(f"SRV_LORA_ISA={forced}: one of {', '.join(ISAS)}")
-        return forced
-    if requires_cpu_flags("avx512f")().ok:
-        return "avx512"
-    return "avx2" if requires_cpu_flags("avx2", "fma")().ok else "portable"
+    return pick_isa({"avx512": ("avx512f", "avx512bw"), "avx2": ("avx2", "fma"), "portable": ()}, "SRV_LORA_ISA")
 
 
 def kernel_layout(product: LoRAProduct) -> tuple[torch.Tensor, torch.Tensor]:

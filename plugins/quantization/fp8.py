@@ -32,9 +32,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from srv.sdk import requires_cpu_flags
 from srv.sdk.linear import Linear, LinearMethod, parameter
-from srv.sdk.native import NativeKernel, load_c_library
+from srv.sdk.native import NativeKernel, load_c_library, pick_isa
 from srv.sdk.packed_linear import dense_layer
 from srv.sdk.quantization import (QuantizationMethod, checkpoint_quantization_config,
                                   compressed_tensors_scheme, kept_float)
@@ -58,7 +57,9 @@ def kernels() -> ctypes.CDLL:
 
 @functools.cache
 def best_isa() -> int:
-    return 1 if requires_cpu_flags("avx2", "fma", "f16c")().ok else 0
+    """fp8_kernels.c's body for this CPU: 1 AVX2 (with FMA and F16C), 0 portable; $SRV_FP8_ISA
+    picks another."""
+    return {"avx2": 1, "portable": 0}[pick_isa({"avx2": ("avx2", "fma", "f16c"), "portable": ()}, "SRV_FP8_ISA")]
 
 
 class Fp8LinearContext(ctypes.Structure):

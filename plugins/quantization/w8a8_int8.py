@@ -31,16 +31,14 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from srv.sdk import requires_cpu_flags
 from srv.sdk.linear import Linear, LinearMethod, parameter
-from srv.sdk.native import NativeKernel, load_c_library
+from srv.sdk.native import NativeKernel, load_c_library, pick_isa
 from srv.sdk.quantization import (QuantizationMethod, checkpoint_quantization_config,
                                   compressed_tensors_scheme, kept_float)
 
@@ -71,14 +69,8 @@ def kernels() -> ctypes.CDLL:
 @functools.cache
 def best_isa() -> str:
     """The fastest kernel this CPU runs; $SRV_INT8_ISA picks another (a slower one, to test it)."""
-    forced = os.environ.get("SRV_INT8_ISA")
-    if forced:
-        if forced not in ISAS:
-            raise ValueError(f"SRV_INT8_ISA={forced}: one of {', '.join(ISAS)}")
-        return forced
-    if requires_cpu_flags("avx512f", "avx512bw", "avx512_vnni")().ok:
-        return "avx512_vnni"
-    return "avx2" if requires_cpu_flags("avx2", "fma")().ok else "portable"
+    return pick_isa({"avx512_vnni": ("avx512f", "avx512bw", "avx512_vnni"), "avx2": ("avx2", "fma"), "portable": ()},
+                    "SRV_INT8_ISA")
 
 
 class Int8LinearContext(ctypes.Structure):
