@@ -77,6 +77,15 @@ class BackendRegistry:
                 f"installed: {installed}{_failure_note(self.failures)}"
             ) from None
 
+    def choose_default(self, family: str, name: str, default: str) -> Registration:
+        """`choose`, except that a flag's documented default (SGLang's, which may be a GPU kernel)
+        that is unavailable here gives the best available backend. The launch check refuses the
+        same name where the command line gives it."""
+        registration = self._backends.get(family, {}).get(name)
+        if name == default and (registration is None or not registration.availability().ok):
+            return self.choose(family, AUTO)
+        return self.choose(family, name)
+
     def choose(self, family: str, name: str | None) -> Registration:
         """The backend to use for `name`, or the best available one for None / "auto"."""
         if name is None or name == AUTO:

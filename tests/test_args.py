@@ -259,3 +259,21 @@ def test_preferred_sampling_params_must_be_a_json_object(plugins, capsys):
         with pytest.raises(SystemExit):
             parse_launch_args(["--preferred-sampling-params", bad], *plugins)
         assert message in capsys.readouterr().err
+
+
+def test_a_default_backend_named_on_the_command_line_must_be_available(plugins, capsys, tmp_path):
+    """--lora-backend's documented default is SGLang's triton kernel: left unset it stands aside for
+    the best available backend where it is used; named, by flag or config file, it must be there."""
+    from srv.args.flags import flag_spec
+
+    _, registry = plugins
+    args = parse_launch_args(["--enable-lora"], *plugins)
+    assert args.lora_backend == flag_spec("--lora-backend").default == "triton"
+    assert registry.choose_default("lora_backend", args.lora_backend, "triton").name == "cpu"
+    assert registry.choose_default("lora_backend", "torch", "triton").name == "torch"
+    config = tmp_path / "lora.yaml"
+    config.write_text("lora-backend: triton\n")
+    for argv in (["--lora-backend", "triton"], ["--lora-backend=triton"], ["--config", str(config)]):
+        with pytest.raises(SystemExit):
+            parse_launch_args(["--enable-lora", *argv], *plugins)
+        assert "--lora-backend: triton: triton runs SGLang's CUDA kernels" in capsys.readouterr().err

@@ -64,3 +64,8 @@ def load_flag_specs() -> tuple[FlagSpec, ...]:
 
 def sections() -> list[str]:
     return list(dict.fromkeys(spec.section for spec in load_flag_specs()))
+
+
+def flag_spec(name: str) -> FlagSpec:
+    """The spec of the flag called `name` (any of its spellings)."""
+    return next(spec for spec in load_flag_specs() if name in spec.names)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
@@ -54,6 +55,18 @@ class LaunchArgumentParser(argparse.ArgumentParser):
     def __init__(self, registry: BackendRegistry, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.registry = registry
+        self.given: set[str] = set()   # the dests the last parse's tokens named (config file included)
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        tokens = list(sys.argv[1:] if args is None else args)
+        options = {option: action.dest for action in self._actions for option in action.option_strings}
+        self.given = {options[token.split("=", 1)[0]] for token in tokens
+                      if token.startswith("--") and token.split("=", 1)[0] in options}
+        return super().parse_known_args(tokens, namespace)
+
+    def defaults(self) -> dict[str, Any]:
+        """Every flag's value where none is given, typed as a parse types it (`given` unchanged)."""
+        return vars(super().parse_known_args([])[0])
 
 
 def build_launch_parser(manager: PluginManager, registry: BackendRegistry) -> LaunchArgumentParser:
@@ -145,12 +158,15 @@ def expand_config_file(argv: list[str], parser: argparse.ArgumentParser) -> list
 
 def check_launch_args(args: argparse.Namespace, parser: LaunchArgumentParser) -> None:
     """Fail loudly on flags srv accepts but cannot honour, and on unavailable backends."""
-    defaults = vars(parser.parse_args([]))
+    defaults = parser.defaults()
     for spec in load_flag_specs():
         value = getattr(args, spec.dest)
         if spec.deprecated and value:
             parser.error(f"{spec.name}: {spec.help}")
-        if spec.family and value not in (None, AUTO, spec.default) and not (spec.none and value == NONE):
+        # A family's documented default (SGLang's) is checked where a feature uses it, and stands
+        # aside there for the best available backend if unavailable here; named, it must be here.
+        if spec.family and value not in (None, AUTO) and not (spec.none and value == NONE) \
+                and (value != spec.default or spec.dest in parser.given):
             try:
                 parser.registry.choose(spec.family, value)
             except BackendError as exc:

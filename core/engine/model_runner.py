@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 import torch
 
+from srv.args.flags import flag_spec
 from srv.backend_registry import AUTO, NONE, BackendRegistry, BackendUnavailable
 from srv.engine.default_model import default_model_path
 from srv.engine.expert_location import expert_placement
@@ -164,13 +165,8 @@ class ModelRunner:
         if self.is_embedding:
             raise ValueError("LoRA adapters serve generation models, not embedding models")
         adapters = [self.load_lora_adapter(name, path) for name, path in parse_lora_paths(args.lora_paths)]
-        # SGLang's default backend, triton, needs a GPU: unset (at that default), the best available serves.
-        name = args.lora_backend
-        registration = self.registry.registrations("lora_backend")
-        default = next((r for r in registration if r.name == name), None)
-        if name == "triton" and (default is None or not default.availability().ok):
-            name = AUTO
-        backend = self.registry.choose("lora_backend", name).create(args)
+        backend = self.registry.choose_default("lora_backend", args.lora_backend,
+                                               flag_spec("--lora-backend").default).create(args)
         return LoRAManager(self.model, adapters, backend, self.dtype, args.max_loras_per_batch, args.max_loaded_loras,
                            args.lora_eviction_policy)
 
