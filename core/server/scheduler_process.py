@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import shutil
-import threading
 from argparse import Namespace
 from multiprocessing.process import BaseProcess
 from typing import Any, Callable
@@ -58,17 +57,18 @@ class SchedulerProcess:
         return self.processes[0]
 
     async def start(self) -> Frontend:
-        if not self.args.skip_tokenizer_init:
-            # Importing transformers' tokenizers takes seconds: done on the other core while
-            # the scheduler process imports torch, not after.
-            threading.Thread(target=import_tokenizer_modules, name="srv-tokenizer-import", daemon=True).start()
+        # Importing transformers' tokenizers takes seconds: done on the other core while the
+        # scheduler process imports torch, not after. The tokenizer loads once it is done: two
+        # threads importing transformers' lazy submodules at once can see one half-initialised.
+        importing = None if self.args.skip_tokenizer_init else asyncio.ensure_future(
+            asyncio.to_thread(import_tokenizer_modules))
         tokenizer: asyncio.Future | None = None
         readies = []
         for group in range(len(self.processes)):
             message = await self._next_message(group)
             if isinstance(message, ModelDirKnown):
-                if group == 0 and not self.args.skip_tokenizer_init:
-                    tokenizer = asyncio.ensure_future(asyncio.to_thread(load_tokenizer, self.args, message.model_dir))
+                if group == 0 and importing is not None:
+                    tokenizer = asyncio.ensure_future(self._load_tokenizer(importing, message.model_dir))
                 message = await self._next_message(group)
             if isinstance(message, SchedulerFailed):
                 raise RuntimeError(f"the scheduler could not start: {message.error}")
@@ -85,6 +85,10 @@ class SchedulerProcess:
         self._tasks = [asyncio.create_task(self._receive(group)) for group in range(len(self.processes))]
         self._tasks.append(asyncio.create_task(self._watch()))
         return self.frontend
+
+    async def _load_tokenizer(self, importing: asyncio.Future, model_dir: str) -> Any:
+        await importing
+        return await asyncio.to_thread(load_tokenizer, self.args, model_dir)
 
     async def _next_message(self, group: int) -> Any:
         """A scheduler process's next message while it starts; raises if it exits first."""
