@@ -11,7 +11,7 @@ from benchmarks.stats import median, medians, ratio, repetition_ratios
 from benchmarks.workloads import (INPUT_LEN, OUTPUT_LEN, SHARED_PREFIX_LEN, STEADY_REQUESTS_PER_CLIENT, SWEEP, W1,
                                   W1_CONCURRENCY, W1_HOG, W2, W2_CONCURRENCY, W2_STEADY, W3, W3_NGRAM, W5, W5_NGRAM,
                                   C64, C64_FLOAT32, C64_INT8, DENSE_FLAGS, FLOAT32_FLAGS, W3_DENSE, W3_FLOAT32, INT8_FLAGS, W1_FLOAT32, W1_INT8,
-                                  W3_INT8, W1_TP2, W3_TP2, W1_PP2, W3_PP2, W1_DP2, W3_DP2, TP2_FLAGS, PP2_FLAGS, DP2_FLAGS, W6, W6_FLAGS, W6_HICACHE, W6_HICACHE_FLAGS, W6_PREFIX_LEN, W6_PREFIXES, W1_LORA, LORA_ADAPTERS,
+                                  W3_INT8, W1_TP2, W3_TP2, W1_PP2, W3_PP2, W1_DP2, W3_DP2, TP2_FLAGS, PP2_FLAGS, DP2_FLAGS, W6, W6_FLAGS, W6_HICACHE, W6_HICACHE_FLAGS, W6_PREFIX_LEN, W6_PREFIXES, W1_LORA, W1_LORA_TORCH, LORA_ADAPTERS,
                                   sweep_name, workloads)
 from benchmarks.hicache_restart import RESTART_FLAGS, RESTART_PROMPT_LEN, restart_rows
 
@@ -345,13 +345,15 @@ def lora_section(results: BenchResults) -> list[str]:
     """W1 on LoRA adapters against W1 on srv's default, within each repetition."""
     from benchmarks.lora import LORA_RANK
 
-    rows = ratio_rows(results, (("W1 on adapters / W1 srv default (tok/s)", SRV, W1_LORA, W1, "output_throughput"),))
+    rows = ratio_rows(results, (("W1 on adapters / W1 srv default (tok/s)", SRV, W1_LORA, W1, "output_throughput"),
+                                ("W1 on adapters: default LoRA backend / `--lora-backend torch` (tok/s)", SRV,
+                                 W1_LORA, W1_LORA_TORCH, "output_throughput")))
     if not rows:
         return []
     return ["### LoRA adapters", "",
             f"W1 on srv launched with `--lora-paths` of {LORA_ADAPTERS} random adapters (rank {LORA_RANK}, every "
             "linear layer), each request on one of them in turn, after its default server's runs; output tok/s as a "
-            "ratio within each repetition (1× would be free).", "",
+            "ratio within each repetition (1× would be free); and the same on the `torch` LoRA backend.", "",
             *md_table(["ratio", "by repetition", "median"], rows, "lrr"), ""]
 
 

@@ -26,7 +26,8 @@ thread), against srv's default (one process of two threads) in the same repetiti
 `-pp2` and `-dp2`.
 
 W1 runs once more on srv serving four random LoRA adapters (rank 16, every linear layer), each
-request on one of them in turn (`-lora4`): what serving many fine-tunes of one model costs.
+request on one of them in turn (`-lora4`): what serving many fine-tunes of one model costs; and
+again on the `torch` LoRA backend (`-lora4-torch`): what srv's own CPU kernel is worth.
 
 W6 does not fit the KV pool: 8 distinct 1,024-token system prompts cycled by 16 clients, on srv
 launched with a pool of about two requests' context (`--max-total-tokens`), without and with
@@ -126,6 +127,8 @@ W3_DP2, W1_DP2 = (f"{w}-dp2" for w in (W3, W1))
 LORA_ADAPTERS = 4
 W1_LORA = f"{W1}-lora{LORA_ADAPTERS}"
 LORA_FLAGS = ("--max-loras-per-batch", str(LORA_ADAPTERS))   # and --lora-paths, made by the srv engine
+W1_LORA_TORCH = f"{W1_LORA}-torch"
+LORA_TORCH_FLAGS = LORA_FLAGS + ("--lora-backend", "torch")
 
 
 # What a peer's candidate configurations are compared on: one wave of W1.
@@ -158,6 +161,7 @@ def workloads(quick: bool) -> list[Workload]:
                 for name, c, flags in ((W3_TP2, 1, TP2_FLAGS), (W1_TP2, W1_CONCURRENCY, TP2_FLAGS),
                                        (W3_PP2, 1, PP2_FLAGS), (W1_PP2, W1_CONCURRENCY, PP2_FLAGS),
                                        (W3_DP2, 1, DP2_FLAGS), (W1_DP2, W1_CONCURRENCY, DP2_FLAGS))]
-    lora = [Workload(W1_LORA, W1_CONCURRENCY, num_prompts(W1_CONCURRENCY, quick), srv_flags=LORA_FLAGS,
-                     lora_adapters=LORA_ADAPTERS)]
+    lora = [Workload(name, W1_CONCURRENCY, num_prompts(W1_CONCURRENCY, quick), srv_flags=flags,
+                     lora_adapters=LORA_ADAPTERS)
+            for name, flags in ((W1_LORA, LORA_FLAGS), (W1_LORA_TORCH, LORA_TORCH_FLAGS))]
     return sweep + [burst, steady, hog, repeat] + speculative + int8 + float32 + dense + hierarchical + parallel + lora

@@ -73,13 +73,14 @@ def test_workloads_reuse_the_sweep_for_w1_and_w3():
     names = [w.name for w in workloads(quick=False)]
     assert names == ["c1", "c4", "c16", "c64", "prefix16", "prefix16-steady", "c16-hog", "repeat", "c1-ngram",
                      "repeat-ngram", "c1-int8", "c16-int8", "c64-int8", "c1-float32", "c16-float32",
-                     "c64-float32", "c1-dense", "prefixes8", "prefixes8-hicache", "c1-tp2", "c16-tp2", "c1-pp2", "c16-pp2", "c1-dp2", "c16-dp2", "c16-lora4"]
+                     "c64-float32", "c1-dense", "prefixes8", "prefixes8-hicache", "c1-tp2", "c16-tp2", "c1-pp2", "c16-pp2", "c1-dp2", "c16-dp2", "c16-lora4", "c16-lora4-torch"]
     assert W1 == "c16" and W3 == "c1" and W2 == "prefix16"
     assert [num_prompts(c, False) for c in (1, 4, 16, 64)] == [4, 8, 16, 64]
     assert [num_prompts(c, True) for c in (1, 4, 16, 64)] == [2, 4, 16, 64]
     everything = workloads(quick=False)
-    everything, lora = everything[:-1], everything[-1]
+    everything, (lora, lora_torch) = everything[:-2], everything[-2:]
     assert (lora.concurrency, lora.lora_adapters, lora.srv_flags) == (16, 4, ("--max-loras-per-batch", "4"))
+    assert (lora_torch.lora_adapters, lora_torch.srv_flags) == (4, lora.srv_flags + ("--lora-backend", "torch"))
     everything, parallel = everything[:-6], everything[-6:]
     assert [(w.concurrency, w.srv_flags) for w in parallel] == [
         (c, (flag, "2")) for flag in ("--tp-size", "--pp-size", "--dp-size") for c in (1, 16)]
