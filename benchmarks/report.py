@@ -342,7 +342,8 @@ def parallel_section(results: BenchResults) -> list[str]:
 
 
 def lora_section(results: BenchResults) -> list[str]:
-    """W1 on LoRA adapters against W1 on srv's default, within each repetition."""
+    """W1 on LoRA adapters against W1 on srv's default, and srv's default LoRA backend against the torch
+    one, within each repetition."""
     from benchmarks.lora import LORA_RANK
 
     rows = ratio_rows(results, (("W1 on adapters / W1 srv default (tok/s)", SRV, W1_LORA, W1, "output_throughput"),
