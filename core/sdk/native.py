@@ -57,7 +57,7 @@ def load_c_library(source: Path, flags: tuple[str, ...] = ()) -> ctypes.CDLL:
     target = cache_dir() / f"{source.stem}-{key}.so"
     if not target.exists():
         def build(output: Path) -> None:
-            result = subprocess.run([*command, str(source), "-o", str(output)], capture_output=True, text=True)
+            result = subprocess.run([*command, str(source.resolve()), "-o", str(output)], capture_output=True, text=True)
             if result.returncode != 0:
                 raise NativeBuildError(f"{' '.join(command)} {source} failed:\n{result.stderr.strip()}")
 

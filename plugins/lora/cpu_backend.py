@@ -25,7 +25,7 @@ from srv.sdk.lora import LoRABackend, LoRAProduct, LoRASegment
 from srv.sdk.native import NativeKernel, load_c_library, pick_isa
 
 MAX_PRODUCTS = 3   # a fused layer's targets (q, k and v)
-LANES = 16         # lora_kernels.c's vector: A^T's ranks are padded to a multiple of it
+PAD = 16           # lora_kernels.c pads A^T's ranks to a multiple of it
 COLUMNS = 64       # lora_kernels.c's block of B^T's columns
 ISAS = {"portable": 0, "avx2": 1, "avx512": 2}
 # Below this many multiply-adds a layer (a decode step's few rows), one thread does it all: the
@@ -50,12 +50,12 @@ def best_isa() -> str:
 
 
 def kernel_layout(product: LoRAProduct) -> tuple[torch.Tensor, torch.Tensor]:
-    """A product's A and B as the kernel reads them: A^T [in][ranks padded to LANES] and B^T in
+    """A product's A and B as the kernel reads them: A^T [in][ranks padded to PAD] and B^T in
     blocks of COLUMNS columns [blocks][rank][COLUMNS], bfloat16 or float32, the padding zeros."""
     rank, in_features = product.a.shape
     columns = product.b.shape[0]
     dtype = weight_dtype(product)
-    at = torch.zeros(in_features, -(-rank // LANES) * LANES, dtype=dtype)
+    at = torch.zeros(in_features, -(-rank // PAD) * PAD, dtype=dtype)
     at[:, :rank] = product.a.t()
     blocks = -(-columns // COLUMNS)
     bt = torch.zeros(blocks * COLUMNS, rank, dtype=dtype)
