@@ -8,6 +8,9 @@ to the next), interleaved and best of several repetitions (this kind of VM is no
 - Dense products: the same step's layers with float32 or bf16 weights, on srv's row-major
   kernel (float32 rows, srv.sdk.packed_linear) and on oneDNN's blocked copy (rows in the
   weights' dtype), at each row count: where `NATIVE_ROWS` comes from.
+- LoRA products: the same step's adapter products (every linear layer of every decoder layer a
+  target, rank 16, the batch's rows spread over 4 adapters) on each body of srv's CPU kernel this
+  CPU runs and on the `torch` LoRA backend, at each row count.
 - Decode attention: one step's attention (every layer) on a float32 KV cache, at each batch
   size and context length, each request's slots contiguous; with a shared prefix, the first
   slots of every request's table are the same (a prompt they share in the prefix cache).
@@ -27,13 +30,18 @@ from collections.abc import Callable
 
 import torch
 
+from benchmarks.lora import LORA_RANK
 from srv.engine.default_model import default_model_path
+from srv.plugins.lora.cpu_backend import ISA_FLAGS, CPULoRABackend
+from srv.plugins.lora.torch_backend import TorchLoRABackend
 from srv.plugins.attention.padded_sdpa import KV_FORMATS, decode_context, kernels as attention_kernels
 from srv.plugins.models.loaders import GGUFLoader
 from srv.sdk.packed_linear import PackedLinear, can_pack, kernels as dense_kernels
 from srv.plugins.quantization import gguf
 from srv.plugins.quantization.gguf import GROUP, Q4_1Weight, Q8_0Weight
+from srv.sdk.lora import LoRAProduct, LoRASegment
 from srv.sdk.models import ModelConfig
+from srv.sdk.registration import requires_cpu_flags
 
 
 def best_ms(runs: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
@@ -122,6 +130,43 @@ def dense_products(config: ModelConfig, rows: list[int], repeats: int) -> None:
             print(f"| {str(dtype).removeprefix('torch.')} | {m} | {best['kernel']:.1f} ms | {other} |", flush=True)
 
 
+def lora_products(config: ModelConfig, rows: list[int], repeats: int, adapters: int = 4) -> None:
+    generator = torch.Generator().manual_seed(0)
+    head_dim = config.hidden_size // config.num_attention_heads
+    q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+    # Each layer as srv fuses it: (in_features, its targets' output widths side by side).
+    fused = [(config.hidden_size, (q, kv, kv)), (q, (config.hidden_size,)),
+             (config.hidden_size, (config.intermediate_size,) * 2), (config.intermediate_size, (config.hidden_size,))]
+    bodies = [isa for isa, flags in ISA_FLAGS.items() if requires_cpu_flags(*flags)().ok]
+    print(f"| weights | rows | {' | '.join(f'kernel, {isa}' for isa in bodies)} | torch backend |\n"
+          f"| --- | ---: |{' ---: |' * (len(bodies) + 1)}")
+    for dtype in (torch.float32, torch.bfloat16):
+        layers = []
+        for in_features, widths in fused * config.num_hidden_layers:
+            offsets = list(itertools.accumulate(widths, initial=0))
+            products = [[LoRAProduct(offset, torch.randn(LORA_RANK, in_features, generator=generator).to(dtype) / 10,
+                                     torch.randn(width, LORA_RANK, generator=generator).to(dtype) / 10, 2.0)
+                         for offset, width in zip(offsets, widths)] for _ in range(adapters)]
+            layers.append((products, in_features, offsets[-1]))
+        for m in rows:
+            segments = [LoRASegment(a, m * a // adapters, m * (a + 1) // adapters) for a in range(adapters)]
+            segments = [s for s in segments if s.end > s.start]
+            inputs = {k: torch.randn(m, k, generator=generator).to(dtype) for k, _ in fused}
+            outputs = {n: torch.zeros(m, n, dtype=dtype) for _, _, n in layers}
+
+            def step(backend) -> Callable[[], None]:
+                return lambda: [backend.add(outputs[n], inputs[k], products, segments) for products, k, n in layers]
+
+            backends = {isa: CPULoRABackend() for isa in bodies}
+            for isa, backend in backends.items():
+                backend.isa = isa
+            runs = {isa: step(backend) for isa, backend in backends.items()} | {"torch": step(TorchLoRABackend())}
+            with torch.inference_mode():
+                best = best_ms(runs, repeats)
+            print(f"| {str(dtype).removeprefix('torch.')} | {m} | "
+                  f"{' | '.join(f'{best[name]:.2f} ms' for name in runs)} |", flush=True)
+
+
 def decode_attention(config: ModelConfig, batches: list[int], contexts: list[int], shared_prefixes: list[int],
                      repeats: int) -> None:
     library = attention_kernels()
@@ -162,6 +207,7 @@ def main() -> None:
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 32, 64, 128, 256])
     parser.add_argument("--dense-rows", type=int, nargs="+", default=[1, 2, 4, 7, 8, 12, 16])
+    parser.add_argument("--lora-rows", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--contexts", type=int, nargs="+", default=[170, 700])
     parser.add_argument("--shared-prefixes", type=int, nargs="+", default=[0, 512],
@@ -173,6 +219,8 @@ def main() -> None:
     gguf_products(config, args.rows, args.repeats)
     print("\nDense products, one decode step:")
     dense_products(config, args.dense_rows, args.repeats)
+    print("\nLoRA products, one decode step:")
+    lora_products(config, args.lora_rows, args.repeats)
     print("\nDecode attention, one step:")
     decode_attention(config, args.batches, args.contexts, args.shared_prefixes, args.repeats)
 

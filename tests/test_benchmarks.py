@@ -206,10 +206,12 @@ def test_decode_kernels_run_on_the_default_model_with_tiny_sizes():
     """`python -m benchmarks.decode_kernels` calls the kernels directly, so a change of their C
     signatures must show here (no timing checks)."""
     result = subprocess.run([sys.executable, "-m", "benchmarks.decode_kernels", "--rows", "1", "--batches", "2",
-                             "--contexts", "9", "--shared-prefixes", "0", "4", "--repeats", "1", "--dense-rows", "1"], cwd=ROOT,
+                             "--contexts", "9", "--shared-prefixes", "0", "4", "--repeats", "1", "--dense-rows", "1", "--lora-rows", "2"],
+                            cwd=ROOT,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "| float32 | 1 |" in result.stdout and "| bfloat16 | 1 |" in result.stdout
+    assert "| float32 | 2 |" in result.stdout and "| bfloat16 | 2 |" in result.stdout, "LoRA products"
     assert "| 1 |" in result.stdout and "| 2 | 9 | 0 |" in result.stdout and "| 2 | 9 | 4 |" in result.stdout
 
 

@@ -28,6 +28,7 @@ MAX_PRODUCTS = 3   # a fused layer's targets (q, k and v)
 PAD = 16           # lora_kernels.c pads A^T's ranks to a multiple of it
 COLUMNS = 64       # lora_kernels.c's block of B^T's columns
 ISAS = {"portable": 0, "avx2": 1, "avx512": 2}
+ISA_FLAGS = {"avx512": ("avx512f", "avx512bw"), "avx2": ("avx2", "fma"), "portable": ()}   # the CPU flags each needs
 # Below this many multiply-adds a layer (a decode step's few rows), one thread does it all: the
 # passes are bound by reading the adapters' weights, which a second thread barely speeds up, while
 # each barrier of the passes waits for any thread the machine has descheduled.
@@ -46,7 +47,7 @@ def kernels() -> ctypes.CDLL:
 @functools.cache
 def best_isa() -> str:
     """The fastest kernel this CPU runs; $SRV_LORA_ISA picks another (a slower one, to test it)."""
-    return pick_isa({"avx512": ("avx512f", "avx512bw"), "avx2": ("avx2", "fma"), "portable": ()}, "SRV_LORA_ISA")
+    return pick_isa(ISA_FLAGS, "SRV_LORA_ISA")
 
 
 def kernel_layout(product: LoRAProduct) -> tuple[torch.Tensor, torch.Tensor]:
