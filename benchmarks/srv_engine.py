@@ -24,8 +24,11 @@ class SrvEngine(Engine):
 
     def server(self, tag: str, *flags: str) -> ServerProcess:
         port = free_port()
+        # Python's bytecode cache is warm for a user (the first run of an install writes it), and
+        # the peers' Python (HF) reads theirs from site-packages: an environment that forbids
+        # writing it (PYTHONDONTWRITEBYTECODE) would make every srv launch compile srv again.
         return ServerProcess(self.name, self.command(str(port)) + list(flags), port,
-                             self.context.log_dir / f"srv-{tag}.log")
+                             self.context.log_dir / f"srv-{tag}.log", env={"PYTHONDONTWRITEBYTECODE": ""})
 
     @staticmethod
     def command(port: str) -> list[str]:
@@ -37,7 +40,8 @@ class SrvEngine(Engine):
         adapters = max((w.lora_adapters for w in self.context.workloads), default=0)
         self.adapters = make_adapters(self.context.model.hf_dir, self.context.log_dir / "lora-adapters", adapters)
         self.server_commands = [shell_line(self.command("PORT") + list(flags)) for flags in self.flag_sets()]
-        # A first launch fills what a warm start reuses (the dequantized GGUF, the page cache).
+        # A first launch fills what a warm start reuses (the dequantized GGUF, the page cache, the
+        # bytecode).
         with self.server("prime") as server:
             logger.info("srv: priming launch")
             server.launch_to_first_token()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -128,6 +130,22 @@ def test_unsupported_flag_message_names_the_flag():
     result = run_srv("launch", "--load-watch-interval", "0.5")
     assert result.returncode == 2
     assert "srv launch: error: --load-watch-interval is not supported yet" in result.stderr
+
+
+def test_a_refused_launch_leaves_no_scheduler_process_behind():
+    """The scheduler process starts before the flags are parsed (it imports torch meanwhile):
+    a launch that fails on its flags ends it too."""
+    marker = f"refused-{os.getpid()}-{time.time_ns()}"
+    result = run_srv("launch", "--no-such-flag", env={"SRV_TEST_LAUNCH_MARKER": marker})
+    assert result.returncode == 2 and "unrecognized arguments: --no-such-flag" in result.stderr
+    left = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if f"SRV_TEST_LAUNCH_MARKER={marker}".encode() in environ.read_bytes():
+                left.append(environ.parent.name)
+        except OSError:   # gone, or not ours to read
+            pass
+    assert not left, f"processes of the refused launch still running: {left}"
 
 
 @pytest.mark.parametrize("name", [s.name for s in load_flag_specs() if s.deprecated])

@@ -30,12 +30,12 @@ def tiny_checkpoint(folder: Path, tie: bool) -> Path:
     return folder
 
 
-def build(folder: Path) -> LlamaForCausalLM:
+def build(folder: Path, dtype: torch.dtype | None = None) -> LlamaForCausalLM:
     from transformers import AutoConfig
 
     with torch.device("meta"):
         model = LlamaForCausalLM(AutoConfig.from_pretrained(folder))
-    return materialize(model)
+    return materialize(model, dtype)
 
 
 def file_mapped(tensor: torch.Tensor, file: Path) -> bool:
@@ -72,6 +72,22 @@ def test_weights_load_from_the_file_map_and_fused_shards_are_copied(tmp_path, ti
         else:
             assert torch.equal(param, expected[name]), name
             assert file_mapped(param, folder / "model.safetensors"), name
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_weights_loaded_straight_in_the_served_dtype_equal_a_conversion_after_loading(tmp_path, tie):
+    """srv materializes a model in the dtype it serves (unless a quantization method computes
+    from the float weights): the loader's copies round as converting the loaded model would."""
+    folder = tiny_checkpoint(tmp_path, tie)
+    converted = build(folder)
+    SafetensorsLoader().load(converted, folder)
+    converted.to(torch.bfloat16)
+    direct = build(folder, torch.bfloat16)
+    assert all(p.dtype == torch.bfloat16 for p in direct.parameters())
+    SafetensorsLoader().load(direct, folder)
+    expected = converted.state_dict()
+    for name, tensor in direct.state_dict().items():
+        assert tensor.dtype == expected[name].dtype and torch.equal(tensor, expected[name]), name
 
 
 def test_writing_a_loaded_weight_leaves_the_file_as_it_was(tmp_path):

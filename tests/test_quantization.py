@@ -373,3 +373,17 @@ def test_tensor_types_read_from_the_header_match_gguf_reader(tmp_path):
     write_tiny_gguf(tmp_path / "tiny.gguf", "qwen2", 16, bias=True, down_type="Q5_0")
     for path in (default_model_path(), tmp_path / "tiny.gguf"):
         assert tensor_types(path) == {t.name: t.tensor_type.name for t in GGUFReader(str(path)).tensors}
+
+
+def test_a_gguf_header_is_read_once_while_the_file_stays_the_same(tmp_path):
+    """A launch asks for the header several times; a file rewritten in place is read again."""
+    from test_gguf_convert import write_tiny_gguf
+
+    from srv.plugins.quantization.gguf import tensor_infos
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, "qwen2", 16, bias=True, down_type="Q5_0")
+    first = tensor_infos(path)
+    assert tensor_infos(path) is first
+    write_tiny_gguf(path, "qwen2", 16, bias=True, down_type="Q8_0")
+    assert tensor_infos(path)["blk.0.ffn_down.weight"].kind == "Q8_0"

@@ -23,7 +23,7 @@ import torch
 
 import srv
 from srv.args.parser import build_launch_parser, options_to_argv
-from srv.engine.engine import build_scheduler
+from srv.engine.build import build_scheduler
 from srv.engine.params import MAX_N
 from srv.engine.request import Req
 from srv.engine.scheduler_loop import SchedulerLoop
@@ -225,6 +225,31 @@ def test_a_request_that_does_not_fit_yet_lets_the_others_start(tiny_models, monk
     monkeypatch.setattr("srv.engine.scheduler.MAX_SKIP_S", 0.0)
     order, _ = admission_order(tiny_models["llama"])
     assert order == ["running", "small", "big"]
+
+
+def test_the_tokenizer_loads_at_the_first_pause_not_beside_the_first_requests(tiny_models, monkeypatch):
+    """The scheduler process's tokenizer (stop strings, grammars) loads in the background once
+    the steps pause, or at its deadline under steady traffic."""
+    monkeypatch.setattr("srv.engine.scheduler.TOKENIZER_IDLE_S", 0.3)
+    scheduler = bare_scheduler(tiny_models["llama"])
+    scheduler.set_tokenizer_loader(lambda: "the tokenizer")
+    scheduler.load_tokenizer_when_idle()
+    first = Req("first", list(range(3, 13)), greedy(4))
+    scheduler.add(first)
+    run_until(scheduler, lambda: first.finished)
+    scheduler.step()   # idle, for less than TOKENIZER_IDLE_S
+    assert scheduler._tokenizer is None, "started beside the first request"
+    time.sleep(0.35)
+    scheduler.step()
+    assert scheduler._tokenizer.result(timeout=10) == "the tokenizer"
+
+    monkeypatch.setattr("srv.engine.scheduler.TOKENIZER_LATEST_S", 0.0)
+    busy = bare_scheduler(tiny_models["llama"])
+    busy.set_tokenizer_loader(lambda: "the tokenizer")
+    busy.load_tokenizer_when_idle()
+    busy.add(Req("steady", list(range(3, 13)), greedy(4)))
+    busy.step()
+    assert busy._tokenizer.result(timeout=10) == "the tokenizer", "the deadline passed during traffic"
 
 
 def test_a_request_that_breaks_the_forward_fails_alone(tiny_models):

@@ -10,7 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from srv.engine.limits import RequestLimits
-from srv.engine.params import InvalidRequest, make_sampling_params, max_new_tokens_given
+from srv.engine.errors import InvalidRequest
+from srv.engine.params import make_sampling_params, max_new_tokens_given
 from srv.server.app import APIError, parse_body
 from srv.server.chat_tools import ToolCalling
 from srv.server.openai_routes import OpenAIRoutes, sampling_params

@@ -112,7 +112,7 @@ def run_once(scheduler: Any, rng: random.Random, vocab: int, batch_size: int, in
 
 
 def run_one_batch_benchmark(config: OneBatchConfig, launch_args: Namespace, registry: Any) -> dict[str, Any]:
-    from srv.engine.engine import build_scheduler
+    from srv.engine.build import build_scheduler
 
     runner, scheduler = build_scheduler(launch_args, registry)
     try:

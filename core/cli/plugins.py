@@ -8,7 +8,7 @@ import sys
 from typing import Any
 
 from srv.backend_registry import BackendRegistry, RegistryConflict
-from srv.plugin_manager import PluginManager
+from srv.plugin_manager import PluginManager, load_plugins
 from srv.sdk.hookspecs import FAMILIES
 
 
@@ -65,10 +65,8 @@ def main(argv: list[str]) -> int:
                                      epilog="srv plugins new FAMILY NAME writes a new plugin package.")
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
     args = parser.parse_args(argv)
-    manager = PluginManager()
-    manager.load_entry_points()
     try:
-        registry = manager.build_registry()
+        manager, registry = load_plugins()
     except RegistryConflict as exc:
         print(f"srv plugins: error: {exc}", file=sys.stderr)
         return 1

@@ -10,44 +10,21 @@ another thread. The HTTP server uses the same front end with the scheduler in it
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
-import os
 import queue
 import threading
 from argparse import Namespace
-from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Coroutine, Iterator
-
-import torch
+from typing import Any, AsyncIterator, Coroutine, Iterator
 
 from srv.args.parser import build_launch_parser, check_launch_args, options_to_argv
 from srv.backend_registry import BackendRegistry
+from srv.engine.build import build_scheduler
 from srv.engine.frontend import Frontend
-from srv.engine.model_runner import ModelRunner
 from srv.engine.request_state import RequestState
-from srv.engine.scheduler import Scheduler
 from srv.engine.scheduler_loop import SchedulerLoop
-from srv.engine.tokenizer import load_tokenizer
 from srv.plugin_manager import load_plugins
 
 logger = logging.getLogger("srv.engine")
-
-
-def choose_torch_threads(args: Namespace) -> None:
-    """One torch thread per core this process may run on, unless OMP_NUM_THREADS says otherwise;
-    the cores are shared among the processes that compute at once (data-parallel groups, and
-    the tensor-parallel ranks on this machine: srv.engine.tensor_parallel.torch_threads).
-
-    Measured on the 2-core development machine (default model, bf16, 64 tokens per request):
-    batch 16 decodes 203 tok/s with 2 threads against 150 with 1, and with the other core kept
-    busy by another process 143 against 140; one stream 19 against 16 tok/s. So more threads
-    never lost here. Tests that run a client beside the server set OMP_NUM_THREADS=1.
-    """
-    if "OMP_NUM_THREADS" not in os.environ:
-        from srv.engine.tensor_parallel import torch_threads
-
-        torch.set_num_threads(torch_threads(args))
 
 
 class Engine:
@@ -214,18 +191,3 @@ def _checked(state: RequestState) -> RequestState:
     if state.error is not None:
         raise ValueError(state.error)
     return state
-
-
-def build_scheduler(args: Namespace, registry: BackendRegistry,
-                    on_model_dir: Callable[[Path], None] | None = None) -> tuple[ModelRunner, Scheduler]:
-    """Model, KV memory and scheduler for `args`; `on_model_dir` hears of the model directory
-    before the weights load. The tokenizer loads later (see Scheduler.set_tokenizer_loader)."""
-    choose_torch_threads(args)
-    if args.random_seed is not None:
-        # Unseeded sampling draws from torch's global generator: --random-seed fixes it.
-        torch.manual_seed(args.random_seed)
-    runner = ModelRunner(args, registry, on_model_dir=on_model_dir)
-    scheduler = Scheduler(args, runner, registry)
-    if not args.skip_tokenizer_init:
-        scheduler.set_tokenizer_loader(functools.partial(load_tokenizer, args, str(runner.model_dir)))
-    return runner, scheduler

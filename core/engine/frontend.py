@@ -22,8 +22,8 @@ from srv.engine.grammar import GrammarCompiler
 from srv.engine.io import AbortRequest, ControlRequest, ControlResult, GenerateRequest, RequestOutput
 from srv.engine.limits import RequestLimits
 from srv.engine.lora import parse_lora_paths
-from srv.engine.params import (InvalidRequest, SamplingParamsInput, choice_seed, make_sampling_params,
-                               max_new_tokens_given)
+from srv.engine.errors import InvalidRequest
+from srv.engine.params import SamplingParamsInput, choice_seed, make_sampling_params, max_new_tokens_given
 from srv.engine.request_state import RequestState
 from srv.engine.sessions import Sessions, SessionParams
 from srv.engine.tokenizer import TokenizerPool

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, replace
 
-from srv.engine.params import InvalidRequest
+from srv.engine.errors import InvalidRequest
 from srv.sdk.sampling import SamplingParams
 
 logger = logging.getLogger("srv.frontend")

@@ -277,7 +277,7 @@ class ModelRunner:
             model = impl.build(self.config)
             if method is not None:
                 method.prepare(model, self.config)
-        return materialize(model)
+        return materialize(model, self.dtype if method is None or not method.reads_float_weights else None)
 
     def _attention(self, name: str | None) -> AttentionBackend:
         registration = self.registry.choose("attention", name)

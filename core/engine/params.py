@@ -12,6 +12,7 @@ from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
+from srv.engine.errors import InvalidRequest
 from srv.sdk.sampling import SamplingParams
 
 # OpenAI's own bound on the choices of one request; each choice is a request of its own here.
@@ -21,14 +22,6 @@ MAX_TOP_LOGPROBS = 20
 # Stop strings per request: each is matched against every new piece of text.
 MAX_STOP_STRINGS = 64
 INT64_MAX = 2**63 - 1
-
-
-class InvalidRequest(ValueError):
-    """A request the caller must change: a 400 naming the field (`param`) when there is one."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 def _not_zero(value: int) -> int:

@@ -56,6 +56,10 @@ MAX_SKIP_S = 5.0
 # With nothing to run but requests whose prompt pages are still being read from storage, the
 # loop waits this long for a read to complete before it looks for new requests again.
 PREFETCH_POLL_S = 0.01
+# The tokenizer's background load (`load_tokenizer_when_idle`) starts once no step has run for
+# TOKENIZER_IDLE_S, and at the latest TOKENIZER_LATEST_S after it was asked for.
+TOKENIZER_IDLE_S = 0.5
+TOKENIZER_LATEST_S = 5.0
 
 
 @dataclass
@@ -102,6 +106,8 @@ class Scheduler:
         self.args, self.runner, self.registry = args, runner, registry
         self._tokenizer: Future[Any] | None = None
         self._load_tokenizer: Callable[[], Any] | None = None
+        self._tokenizer_due: float | None = None   # the latest time.monotonic() to start loading it
+        self._busy_at = time.monotonic()           # when the last step ran a batch
         page_size = args.page_size
         capacity = runner.kv_capacity_tokens()
         self.allocator = PagedSlotAllocator(capacity // page_size + 1, page_size)
@@ -139,12 +145,27 @@ class Scheduler:
     def set_tokenizer_loader(self, load: Callable[[], Any] | None) -> None:
         """How to load the tokenizer stop strings and grammars need (None under
         --skip-tokenizer-init). Importing transformers takes seconds, so it is not loaded now:
-        `start_loading_tokenizer` loads it in the background, and the first use waits for it."""
+        `start_loading_tokenizer` (or `load_tokenizer_when_idle`) loads it in the background, and
+        the first use waits for it."""
         self._load_tokenizer = load
 
     def start_loading_tokenizer(self) -> None:
         if self._tokenizer is None and self._load_tokenizer is not None:
             self._tokenizer = in_background(self._load_tokenizer)
+
+    def load_tokenizer_when_idle(self) -> None:
+        """Start the tokenizer's background load at the first pause in the traffic (or after
+        TOKENIZER_LATEST_S): importing transformers is most of a second of one core's work, which
+        would slow the first requests' steps on a machine of few cores."""
+        self._tokenizer_due = time.monotonic() + TOKENIZER_LATEST_S
+
+    def _start_tokenizer_if_due(self, idle: bool) -> None:
+        now = time.monotonic()
+        if not idle:
+            self._busy_at = now
+        if self._tokenizer_due is not None and (now >= self._tokenizer_due or now - self._busy_at >= TOKENIZER_IDLE_S):
+            self._tokenizer_due = None
+            self.start_loading_tokenizer()
 
     @property
     def tokenizer(self) -> Any:
@@ -480,6 +501,7 @@ class Scheduler:
             batch = [item for item in self._schedule_decode() if id(item.req) not in scheduled] + batch
         if not batch:
             batch = self._schedule_decode()
+        self._start_tokenizer_if_due(idle=not batch)
         if not batch:
             if self.waiting and self.tree is not None:
                 self.tree.wait_for_prefetch(PREFETCH_POLL_S)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field
 
-from srv.engine.params import InvalidRequest
+from srv.engine.errors import InvalidRequest
 
 
 @dataclass

@@ -71,14 +71,23 @@ class ModelConfig:
         return f"ModelConfig({self._model_dir}, architectures={self._values.get('architectures')})"
 
 
-def materialize(model: nn.Module) -> nn.Module:
-    """Give a model built on the meta device empty CPU storage, for a loader to fill.
+def materialize(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
+    """Give a model built on the meta device empty CPU storage, for a loader to fill; floating
+    point parameters in `dtype` where given (the loader's copies round to it as a later `.to`
+    would, without a second pass over the weights). Buffers keep their dtype: what a model
+    computes for itself (rotary frequencies) may stay float32 on purpose.
 
     `Module.to_empty` does the same through torch's Python reference of `empty_like`, whose
     first call imports sympy: half a second of every launch. The attributes a linear method set
     on its parameters (srv.sdk.linear's weight_loader) are carried over to the new ones."""
     attributes = {name: dict(p.__dict__) for name, p in model.named_parameters() if p.__dict__}
-    model = model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype))
+    parameters = {id(p) for p in model.parameters()}
+
+    def empty(t: torch.Tensor) -> torch.Tensor:
+        convert = dtype is not None and t.is_floating_point() and id(t) in parameters
+        return torch.empty(t.shape, dtype=dtype if convert else t.dtype)
+
+    model = model._apply(empty)
     for name, param in model.named_parameters():
         param.__dict__.update(attributes.get(name, {}))
     return model

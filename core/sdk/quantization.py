@@ -56,6 +56,11 @@ class QuantizationMethod(ABC):
     # checkpoint tensor by rows or columns before `load_weight`). srv refuses --tensor-parallel-size
     # > 1 with a method that does not say so, and serves a detected format's dequantized weights.
     tensor_parallel = False
+    # Whether `apply` computes from the float weights the loader filled (a method that quantizes
+    # a float checkpoint at load): they are loaded in float32 then, and the model is converted to
+    # the served dtype after `apply`. A method that takes its weights from the checkpoint in its
+    # own format says False, and the float weights load straight in the served dtype.
+    reads_float_weights = True
 
     def __init__(self, server_args: Any = None) -> None:
         self.server_args = server_args

@@ -21,7 +21,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from srv.engine.frontend import EngineDead, Frontend, QueueFull
-from srv.engine.params import InvalidRequest, validation_error
+from srv.engine.errors import InvalidRequest
+from srv.engine.params import validation_error
 from srv.engine.request_state import RequestState
 from srv.sdk.grammar import GrammarError
 from srv.sdk.reasoning import ReasoningParser

@@ -82,7 +82,7 @@ def run_scheduler_process(args: Namespace, sockets: SchedulerSockets) -> None:
     requests = context.socket(zmq.PULL)
     requests.connect(sockets.requests)
     try:
-        from srv.engine.engine import build_scheduler
+        from srv.engine.build import build_scheduler
         from srv.engine.scheduler_loop import SchedulerLoop
         from srv.plugin_manager import load_plugins
 
@@ -108,8 +108,8 @@ def run_scheduler_process(args: Namespace, sockets: SchedulerSockets) -> None:
         "matryoshka_dimensions": getattr(config, "matryoshka_dimensions", None)
         or getattr(config, "is_matryoshka", None),
     }))
-    # Only now: importing transformers beside the weights' loading slowed that by half.
-    scheduler.start_loading_tokenizer()
+    # Not beside the weights' loading (it slowed that by half), nor beside the first requests.
+    scheduler.load_tokenizer_when_idle()
     try:
         _serve(SchedulerLoop(scheduler), Watchdog(args.watchdog_timeout), requests, outputs)
     except BaseException:
@@ -186,14 +186,56 @@ class SpawnedScheduler:
     sockets: SchedulerSockets
 
 
-def spawn_scheduler_processes(args: Namespace) -> list[SpawnedScheduler]:
-    """One scheduler process per data-parallel group (--data-parallel-size)."""
+class EarlyScheduler:
+    """A scheduler process started before the launch's flags are parsed: it imports torch, the
+    longest part of its start, while the server process loads the plugins and parses the flags,
+    then waits for its arguments (`spawn_scheduler_processes` sends them)."""
+
+    def __init__(self) -> None:
+        context = multiprocessing.get_context("spawn")
+        self._connection, child_end = context.Pipe()
+        self.process = context.Process(target=_run_early, args=(child_end,), name="srv-scheduler", daemon=True)
+        self.process.start()
+        child_end.close()
+
+    def start(self, args: Namespace, sockets: SchedulerSockets) -> BaseProcess:
+        self._connection.send((args, sockets))
+        self._connection.close()
+        return self.process
+
+    def cancel(self) -> None:
+        """No scheduler after all (a flag's error, another node's launch): it ends at once."""
+        self._connection.close()
+        if self.process.is_alive():
+            self.process.kill()   # it ignores SIGTERM, as a scheduler process does
+        self.process.join()
+
+
+def _run_early(connection: Any) -> None:
+    for signum in (signal.SIGINT, signal.SIGTERM):   # as run_scheduler_process, from the start
+        signal.signal(signum, signal.SIG_IGN)
+    import torch  # noqa: F401 (the reason this process starts before the flags are parsed)
+
+    try:
+        args, sockets = connection.recv()
+    except EOFError:   # cancelled, or the server process is gone
+        return
+    connection.close()
+    run_scheduler_process(args, sockets)
+
+
+def spawn_scheduler_processes(args: Namespace, early: EarlyScheduler | None = None) -> list[SpawnedScheduler]:
+    """One scheduler process per data-parallel group (--data-parallel-size); the first one is
+    `early` where it was started."""
     spawned = []
     for group in range(args.data_parallel_size):
         sockets = SchedulerSockets(tempfile.mkdtemp(prefix="srv-"))
-        process = multiprocessing.get_context("spawn").Process(
-            target=run_scheduler_process, name=f"srv-scheduler-{group}" if group else "srv-scheduler", daemon=True,
-            args=(args, sockets))
-        process.start()
+        if group == 0 and early is not None:
+            process = early.start(args, sockets)
+        else:
+            process = multiprocessing.get_context("spawn").Process(
+                target=run_scheduler_process, name=f"srv-scheduler-{group}" if group else "srv-scheduler",
+                daemon=True, args=(args, sockets))
+            process.start()
         spawned.append(SpawnedScheduler(process, sockets))
     return spawned

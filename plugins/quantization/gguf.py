@@ -282,7 +282,7 @@ def types_without_kernel(path: Path) -> dict[str, str]:
 _VALUE_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 8: None, 9: None, 10: 8, 11: 8, 12: 8}
 
 
-@dataclass
+@dataclass(frozen=True)
 class TensorInfo:
     """One tensor of a GGUF file, from its header: block type, dimensions (innermost first, as
     the file lists them) and where its bytes start in the file."""
@@ -298,7 +298,15 @@ def tensor_types(path: Path) -> dict[str, str]:
 
 def tensor_infos(path: Path) -> dict[str, TensorInfo]:
     """Each tensor's type, dimensions and offset, read from the file's header alone: gguf's
-    GGUFReader parses the whole tokenizer into Python objects first, seconds of every launch."""
+    GGUFReader parses the whole tokenizer into Python objects first, seconds of every launch.
+    A launch asks several times (detection, the method's check, the weights' cache): the file is
+    read once while it stays the same file."""
+    stat = path.stat()
+    return _cached_tensor_infos(path.resolve(), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=8)
+def _cached_tensor_infos(path: Path, size: int, mtime_ns: int) -> dict[str, TensorInfo]:
     import mmap
     import struct
 
@@ -318,16 +326,20 @@ def _header_tensor_infos(data: bytes) -> dict[str, TensorInfo]:
         raise ValueError("no GGUF magic")
     n_tensors, n_kv = struct.unpack_from("<QQ", data, 8)
     offset = 24
+    length_at = struct.Struct("<Q").unpack_from
 
     def skip_value(kind: int) -> None:
         nonlocal offset
         if kind == 8:
-            offset += 8 + struct.unpack_from("<Q", data, offset)[0]
+            offset += 8 + length_at(data, offset)[0]
         elif kind == 9:
             item, count = struct.unpack_from("<IQ", data, offset)
             offset += 12
             if _VALUE_SIZES[item] is not None:
                 offset += count * _VALUE_SIZES[item]
+            elif item == 8:   # an array of strings (the tokenizer's vocabulary and merges): each its length and bytes
+                for _ in range(count):
+                    offset += 8 + length_at(data, offset)[0]
             else:
                 for _ in range(count):
                     skip_value(item)
@@ -336,7 +348,7 @@ def _header_tensor_infos(data: bytes) -> dict[str, TensorInfo]:
 
     alignment = 32   # general.alignment's default
     for _ in range(n_kv):
-        length = struct.unpack_from("<Q", data, offset)[0]
+        length = length_at(data, offset)[0]
         key = data[offset + 8:offset + 8 + length]
         offset += 8 + length
         kind = struct.unpack_from("<I", data, offset)[0]
@@ -344,21 +356,19 @@ def _header_tensor_infos(data: bytes) -> dict[str, TensorInfo]:
         if key == b"general.alignment" and kind == 4:
             alignment = struct.unpack_from("<I", data, offset)[0]
         skip_value(kind)
-    infos = {}
+    listed = []
     for _ in range(n_tensors):
-        length = struct.unpack_from("<Q", data, offset)[0]
+        length = length_at(data, offset)[0]
         name = data[offset + 8:offset + 8 + length].decode()
         offset += 8 + length
         dims = struct.unpack_from("<I", data, offset)[0]
         shape = struct.unpack_from(f"<{dims}Q", data, offset + 4)
         offset += 4 + 8 * dims
         kind, start = struct.unpack_from("<IQ", data, offset)
-        infos[name] = TensorInfo(GGMLQuantizationType(kind).name, tuple(shape), start)
+        listed.append((name, GGMLQuantizationType(kind).name, tuple(shape), start))
         offset += 4 + 8
     data_start = -(-offset // alignment) * alignment
-    for info in infos.values():
-        info.start += data_start
-    return infos
+    return {name: TensorInfo(kind, shape, data_start + start) for name, kind, shape, start in listed}
 
 
 def describe(missing: dict[str, str]) -> str:
@@ -375,6 +385,12 @@ class GGUFQuantization(QuantizationMethod):
     nothing is cached."""
 
     model_file: Path | None = None
+
+    @property
+    def reads_float_weights(self) -> bool:
+        # With a file (`check`), every layer's blocks come from it (or from the cache made of
+        # it); without one they are quantized from the float weights.
+        return self.model_file is None
 
     def detects(self, model_path: str) -> bool:
         if Path(model_path).suffix != ".gguf":
