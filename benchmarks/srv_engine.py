@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import logging
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,7 +39,7 @@ class SrvEngine(Engine):
         self.version = f"srv {importlib.metadata.version('srv')}, this checkout"
         self.chosen = "no flags: srv's defaults (the file's own Q4_1/Q8_0 weights, `--dtype auto`)"
         adapters = max((w.lora_adapters for w in self.context.workloads), default=0)
-        self.adapters = make_adapters(self.context.model.hf_dir, self.context.log_dir / "lora-adapters", adapters)
+        self.adapters = make_adapters(self.context.model.hf_dir, self.adapter_folder, adapters)
         self.server_commands = [shell_line(self.command("PORT") + list(flags)) for flags in self.flag_sets()]
         # A first launch fills what a warm start reuses (the dequantized GGUF, the page cache, the
         # bytecode).
@@ -51,6 +52,15 @@ class SrvEngine(Engine):
         adapters = self.adapters[:workload.lora_adapters]
         return workload.srv_flags + (("--lora-paths", *(f"{p.name}={p}" for p in adapters)) if adapters else ())
 
+    @property
+    def adapter_folder(self) -> Path:
+        return self.context.log_dir / "lora-adapters"
+
+    def config(self, flags: tuple[str, ...]) -> str:
+        """The flags as the runs table shows them: adapters by name alone (the server commands
+        give their folders)."""
+        return re.sub(rf"(\S+)={re.escape(str(self.adapter_folder))}/\S+", r"\1", " ".join(flags))
+
     def flag_sets(self) -> list[tuple[str, ...]]:
         """The servers a repetition launches: the default (no flags) first, then each workload's
         own flags, in order."""
@@ -61,6 +71,6 @@ class SrvEngine(Engine):
         for index, flags in enumerate(self.flag_sets()):
             group = [w for w in self.context.workloads if self.flags(w) == flags]
             # W4 (launch to first token) is the default server's.
-            runs += measure_server(self, self.server(f"rep{rep}-{index}", *flags), group, rep, " ".join(flags),
+            runs += measure_server(self, self.server(f"rep{rep}-{index}", *flags), group, rep, self.config(flags),
                                    fresh_connections=False, with_launch=not flags)
         return runs

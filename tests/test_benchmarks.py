@@ -228,3 +228,13 @@ def test_an_engine_beside_a_hog_against_itself_quiet():
     assert busy
     assert not [p for p in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout.splitlines()
                 if "while True: pass" in p and "ps -eo" not in p]
+
+
+def test_the_runs_table_names_adapters_without_their_folders(tmp_path):
+    from benchmarks.engine import BenchContext
+    from benchmarks.srv_engine import SrvEngine
+
+    engine = SrvEngine(BenchContext(None, [], tmp_path))
+    engine.adapters = [engine.adapter_folder / "a0", engine.adapter_folder / "a1"]
+    flags = ("--max-loras-per-batch", "4", "--lora-paths", *(f"{p.name}={p}" for p in engine.adapters))
+    assert engine.config(flags) == "--max-loras-per-batch 4 --lora-paths a0 a1"
