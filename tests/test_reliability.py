@@ -252,6 +252,33 @@ def test_the_tokenizer_loads_at_the_first_pause_not_beside_the_first_requests(ti
     assert busy._tokenizer.result(timeout=10) == "the tokenizer", "the deadline passed during traffic"
 
 
+def test_a_request_waiting_for_the_tokenizer_holds_up_no_other(tiny_models):
+    """A request with stop strings, added while the scheduler's tokenizer still loads, waits
+    apart: the steps go on for the others, and it runs once the tokenizer is there (or is
+    aborted while it waits)."""
+    from transformers import AutoTokenizer
+
+    scheduler = bare_scheduler(tiny_models["llama"])
+    loaded = threading.Event()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_models["llama"])
+    scheduler.set_tokenizer_loader(lambda: loaded.wait(30) and tokenizer)
+    running = Req("running", list(range(3, 13)), greedy(6))
+    scheduler.add(running)
+    scheduler.step()
+    stopping = Req("stopping", list(range(3, 13)), greedy(4, stop=["never printed"]))
+    aborted = Req("aborted", list(range(3, 13)), greedy(4, stop=["never printed"]))
+    scheduler.add(stopping)
+    scheduler.add(aborted)
+    assert not stopping.output_ids and stopping not in scheduler.waiting
+    run_until(scheduler, lambda: running.finished)   # the loader still waits: no step blocked
+    assert scheduler.abort("aborted") is aborted and aborted.finish_reason.value == "abort"
+    loaded.set()
+    scheduler._tokenizer.result(timeout=30)
+    run_until(scheduler, lambda: stopping.finished)
+    assert len(stopping.output_ids) == 4 and stopping.stop_matcher is not None
+    assert "aborted" not in [r.rid for r in scheduler.waiting + scheduler.running]
+
+
 def test_a_request_that_breaks_the_forward_fails_alone(tiny_models):
     scheduler = bare_scheduler(tiny_models["llama"])
     forward = scheduler.runner.forward

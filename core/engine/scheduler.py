@@ -108,6 +108,7 @@ class Scheduler:
         self._load_tokenizer: Callable[[], Any] | None = None
         self._tokenizer_due: float | None = None   # the latest time.monotonic() to start loading it
         self._busy_at = time.monotonic()           # when the last step ran a batch
+        self._awaiting_tokenizer: list[Req] = []   # requests added while it loads (see add)
         page_size = args.page_size
         capacity = runner.kv_capacity_tokens()
         self.allocator = PagedSlotAllocator(capacity // page_size + 1, page_size)
@@ -145,8 +146,8 @@ class Scheduler:
     def set_tokenizer_loader(self, load: Callable[[], Any] | None) -> None:
         """How to load the tokenizer stop strings and grammars need (None under
         --skip-tokenizer-init). Importing transformers takes seconds, so it is not loaded now:
-        `start_loading_tokenizer` (or `load_tokenizer_when_idle`) loads it in the background, and
-        the first use waits for it."""
+        `start_loading_tokenizer` (or `load_tokenizer_when_idle`) loads it in the background; a
+        request that needs it before then waits apart (see `add`)."""
         self._load_tokenizer = load
 
     def start_loading_tokenizer(self) -> None:
@@ -196,6 +197,32 @@ class Scheduler:
                 raise ValueError("LoRA adapters need --enable-lora (or --lora-paths) at launch")
             # Unloaded since the front end checked: refused.
             req.cache_namespace = self.runner.lora.adapter(req.params.lora_path).cache_namespace
+        if self._waits_for_tokenizer(req):
+            # Its stop strings or grammar need the tokenizer, still loading: the request waits
+            # apart while the others step on, and `step` queues it once the tokenizer is there.
+            self.start_loading_tokenizer()
+            self._awaiting_tokenizer.append(req)
+            return
+        self._queue(req)
+
+    def _waits_for_tokenizer(self, req: Req) -> bool:
+        needs = req.params.grammar is not None or bool(req.params.stop or req.params.stop_regex)
+        loaded = self._tokenizer is not None and self._tokenizer.done()
+        return needs and self._load_tokenizer is not None and not loaded
+
+    def _queue_awaiting_tokenizer(self) -> None:
+        """Queue the requests that waited for the tokenizer, once it is there; one it cannot
+        take (a grammar that does not compile, a tokenizer that failed to load) fails alone."""
+        if not self._awaiting_tokenizer or not self._tokenizer.done():
+            return
+        awaiting, self._awaiting_tokenizer = self._awaiting_tokenizer, []
+        for req in awaiting:
+            try:
+                self._queue(req)
+            except Exception as exc:
+                self.fail(req, str(exc))
+
+    def _queue(self, req: Req) -> None:
         spec = req.params.grammar
         if spec is not None:
             if self.grammars is None:
@@ -208,7 +235,7 @@ class Scheduler:
             self.tree.prefetch(req.rid, req.cache_keys(req.seq_len - 1))
 
     def abort(self, rid: str) -> Req | None:
-        for queue in (self.waiting, self.running):
+        for queue in (self._awaiting_tokenizer, self.waiting, self.running):
             for req in queue:
                 if req.rid == rid:
                     queue.remove(req)
@@ -494,6 +521,7 @@ class Scheduler:
         """Run one forward pass; returns the requests that got tokens (finished ones included).
         A request whose computation raises is failed (see `fail`), the others go on."""
         started = time.perf_counter()
+        self._queue_awaiting_tokenizer()
         self._in_step = []
         batch = self._schedule_prefill() if self.waiting or any(r.kv_len + 1 < r.seq_len for r in self.running) else []
         if batch and self.args.enable_mixed_chunk:
