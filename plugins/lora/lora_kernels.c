@@ -152,7 +152,7 @@ static void sizes(const LoraLayer *layer, int64_t *items, int64_t *floats, int64
 
 /* The bodies. Tile shapes: AVX-512's 32 registers hold 4 rows by 4 vectors of accumulators,
  * AVX2's and SSE's 16 fewer. Each shrink item's 32 ranks are 32 / WIDTH vectors, computed
- * SHRINK_VECTORS at a time. */
+ * SHRINK_VECTORS at a time. The body undefines these parameters at its end. */
 #define LORA_BODY
 #define NAME(name) name##_avx512
 #define TARGET __attribute__((target("avx512f,avx512bw,avx2,fma")))
@@ -162,13 +162,6 @@ static void sizes(const LoraLayer *layer, int64_t *items, int64_t *floats, int64
 #define EXPAND_TILE 4
 #define EXPAND_VECTORS 4
 #include __FILE__
-#undef NAME
-#undef TARGET
-#undef WIDTH
-#undef SHRINK_TILE
-#undef SHRINK_VECTORS
-#undef EXPAND_TILE
-#undef EXPAND_VECTORS
 
 #define NAME(name) name##_avx2
 #define TARGET __attribute__((target("avx2,fma")))
@@ -178,13 +171,6 @@ static void sizes(const LoraLayer *layer, int64_t *items, int64_t *floats, int64
 #define EXPAND_TILE 2
 #define EXPAND_VECTORS 4
 #include __FILE__
-#undef NAME
-#undef TARGET
-#undef WIDTH
-#undef SHRINK_TILE
-#undef SHRINK_VECTORS
-#undef EXPAND_TILE
-#undef EXPAND_VECTORS
 
 /* Four floats: SSE2 (x86-64's baseline) and NEON both have them. */
 #define NAME(name) name##_portable
@@ -389,5 +375,12 @@ TARGET static void NAME(lora_add)(const LoraLayer *layer, const Item *items, int
 #undef LOAD
 #undef STORE
 #undef WEIGHTS
+#undef NAME
+#undef TARGET
+#undef WIDTH
+#undef SHRINK_TILE
+#undef SHRINK_VECTORS
+#undef EXPAND_TILE
+#undef EXPAND_VECTORS
 
 #endif /* LORA_BODY */
