@@ -172,81 +172,88 @@ INLINE void q8_16_row(const float *x, int64_t k, const int8_t *values, const flo
     default: { const int ROWS_NOW = 4; statement; } break;                                               \
     }
 
-/* The same two products in AVX-512, sixteen weights a vector: a pair's 32 bytes are broadcast
- * to both halves of a register and shifted by a different count in each, so that one register
- * holds weights 0-15 of a block in order (the layouts above, unchanged). Half the instructions
- * of the AVX2 rows a weight, where those rows are bound by arithmetic, not by the weights' bytes.
- * Picked at run time where the CPU has AVX-512 (srv_gguf_set_isa forces either). */
+/* The same two products in AVX-512, sixteen weights a vector, on the layouts above unchanged.
+ * Fewer instructions a weight than the AVX2 rows, where those rows are bound by arithmetic, not
+ * by the weights' bytes. Picked at run time where the CPU has AVX-512 (srv_gguf_set_isa forces
+ * either). */
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx2,fma")))
 
-AVX512 static inline __m512 halves(__m512i packed, int low, int high) {
-    const __m512i counts = _mm512_inserti64x4(_mm512_set1_epi32(low), _mm256_set1_epi32(high), 1);
-    return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(packed, counts), _mm512_set1_epi32(0x0F)));
+/* The shift counts that bring weights 16h..16h+15 of a pair into the low nibble of each lane
+ * (h = 0, 1 the first block's halves, 2, 3 the second's). */
+AVX512 static inline __m512i nibble_counts(int h) {
+    return _mm512_inserti64x4(_mm512_set1_epi32(8 * h), _mm256_set1_epi32(8 * h + 4), 1);
 }
 
-/* sum(a[i] * b[i]) for i < count, sixteen at a time (the last vector masked). */
-AVX512 static inline float dot_512(const float *a, const float *b, int64_t count) {
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t i = 0; i < count; i += 16) {
-        const __mmask16 keep = count - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (count - i)) - 1);
-        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(keep, a + i), _mm512_maskz_loadu_ps(keep, b + i), acc);
-    }
-    return _mm512_reduce_add_ps(acc);
-}
-
+/* Q4_1 in AVX-512 widens no nibble: a block's sixteen possible weights, scale * q + min for
+ * q = 0..15 rounded once (as the file's dequantized weights are), are one vector, and vpermps
+ * picks each weight from it by its nibble (it reads an index's low four bits only, so no mask
+ * either). Two instructions a sixteen weights instead of three and one multiply-add a row, and
+ * the min needs no term of its own. */
 AVX512 INLINE void q4_1_row_512(const float *x, int64_t k, const uint8_t *nibbles, const float *scale,
-                                const float *min, const float *sums, float *y, int64_t n, const int rows) {
+                                const float *min, float *y, int64_t n, const int rows) {
     const int64_t blocks = k / GROUP;
+    const __m512 levels = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i c0 = nibble_counts(0), c1 = nibble_counts(1), c2 = nibble_counts(2), c3 = nibble_counts(3);
+    /* Two accumulators a row: its FMAs form two dependency chains instead of one. */
     __m512 even[FEW_ROWS], odd[FEW_ROWS];
     for (int r = 0; r < rows; r++) even[r] = odd[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b += 2) {
-        const __m512i packed = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(nibbles + b * (GROUP / 2))));
-        const __m512 w0 = halves(packed, 0, 4), w1 = halves(packed, 8, 12);
-        const __m512 d0 = _mm512_set1_ps(scale[b]);
         const int both = b + 1 < blocks;   /* an odd count: the last pair holds one block */
-        __m512 w2 = _mm512_setzero_ps(), w3 = w2, d1 = w2;
+        const __m512i packed = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(nibbles + b * (GROUP / 2))));
+        const __m512 first = _mm512_fmadd_ps(_mm512_set1_ps(scale[b]), levels, _mm512_set1_ps(min[b]));
+        const __m512 w0 = _mm512_permutexvar_ps(_mm512_srlv_epi32(packed, c0), first);
+        const __m512 w1 = _mm512_permutexvar_ps(_mm512_srlv_epi32(packed, c1), first);
+        __m512 w2 = _mm512_setzero_ps(), w3 = w2;
         if (both) {
-            w2 = halves(packed, 16, 20), w3 = halves(packed, 24, 28);
-            d1 = _mm512_set1_ps(scale[b + 1]);
+            const __m512 second = _mm512_fmadd_ps(_mm512_set1_ps(scale[b + 1]), levels, _mm512_set1_ps(min[b + 1]));
+            w2 = _mm512_permutexvar_ps(_mm512_srlv_epi32(packed, c2), second);
+            w3 = _mm512_permutexvar_ps(_mm512_srlv_epi32(packed, c3), second);
         }
         for (int r = 0; r < rows; r++) {
             const float *xr = x + r * k + b * GROUP;
-            const __m512 first = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + 16), _mm512_mul_ps(w0, _mm512_loadu_ps(xr)));
-            even[r] = _mm512_fmadd_ps(d0, first, even[r]);
+            even[r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr), even[r]);
+            odd[r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + 16), odd[r]);
             if (both) {
-                const __m512 second = _mm512_fmadd_ps(w3, _mm512_loadu_ps(xr + 48),
-                                                      _mm512_mul_ps(w2, _mm512_loadu_ps(xr + 32)));
-                odd[r] = _mm512_fmadd_ps(d1, second, odd[r]);
+                even[r] = _mm512_fmadd_ps(w2, _mm512_loadu_ps(xr + 32), even[r]);
+                odd[r] = _mm512_fmadd_ps(w3, _mm512_loadu_ps(xr + 48), odd[r]);
             }
         }
     }
-    /* The min term, min[b] * sum(x over block b), as one vector product a row. */
-    for (int r = 0; r < rows; r++)
-        y[r * n] = _mm512_reduce_add_ps(_mm512_add_ps(even[r], odd[r])) + dot_512(min, sums + r * blocks, blocks);
+    for (int r = 0; r < rows; r++) y[r * n] = _mm512_reduce_add_ps(_mm512_add_ps(even[r], odd[r]));
 }
 
-AVX512 static inline __m512 bytes(__m512i packed, int low, int high) {
-    const __m512i counts = _mm512_inserti64x4(_mm512_set1_epi32(low), _mm256_set1_epi32(high), 1);
-    return _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_sllv_epi32(packed, counts), 24));
-}
-
+/* Q8_0 in AVX-512: vpmovsxbd widens sixteen bytes of a block as they lie, which is not the
+ * weights' order (byte 4l + s is weight 8s + l, see q8_0_block), so the activations are put in
+ * the bytes' order once a call instead (q8_0_byte_order). Each weight is scaled once for all
+ * rows, d * q rounded once as the file's dequantized weight is. */
 AVX512 INLINE void q8_0_row_512(const float *x, int64_t k, const int8_t *values, const float *scale, float *y,
                                 int64_t n, const int rows) {
     const int64_t blocks = k / GROUP;
+    /* Two accumulators a row: its FMAs form two dependency chains instead of one. */
     __m512 even[FEW_ROWS], odd[FEW_ROWS];
     for (int r = 0; r < rows; r++) even[r] = odd[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
-        const __m512i packed = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(values + b * GROUP)));
-        const __m512 w0 = bytes(packed, 24, 16), w1 = bytes(packed, 8, 0);
+        const int8_t *block = values + b * GROUP;
         const __m512 d = _mm512_set1_ps(scale[b]);
+        const __m512 w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)block))));
+        const __m512 w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(block + 16)))));
         for (int r = 0; r < rows; r++) {
-            const float *xr = x + r * k + b * GROUP;
-            const __m512 dot = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + 16), _mm512_mul_ps(w0, _mm512_loadu_ps(xr)));
-            if (b & 1) odd[r] = _mm512_fmadd_ps(d, dot, odd[r]);
-            else even[r] = _mm512_fmadd_ps(d, dot, even[r]);
+            even[r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + r * k + b * GROUP), even[r]);
+            odd[r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + r * k + b * GROUP + 16), odd[r]);
         }
     }
     for (int r = 0; r < rows; r++) y[r * n] = _mm512_reduce_add_ps(_mm512_add_ps(even[r], odd[r]));
+}
+
+/* x [m][k] with each block's 32 values in its bytes' order: position i of a block holds weight
+ * 8 (i % 4) + i / 4 for i < 16, and 8 (i % 4) + 4 + (i - 16) / 4 past it. */
+static void q8_0_byte_order(const float *x, int64_t m, int64_t k, float *out) {
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t b = 0; b < k; b += GROUP)
+            for (int i = 0; i < GROUP; i++) {
+                const int j = i % 16;
+                out[r * k + b + i] = x[r * k + b + 8 * (j % 4) + (i >= 16 ? 4 : 0) + j / 4];
+            }
 }
 
 static int use_avx512 = -1;
@@ -259,20 +266,23 @@ void srv_gguf_set_isa(int avx512) {
 }
 
 AVX512 static void q4_1_rows_512(const float *x, int64_t m, int64_t k, const uint8_t *nibbles, const float *scale,
-                                 const float *min, const float *sums, int64_t n, float *y) {
+                                 const float *min, int64_t n, float *y) {
     const int64_t blocks = k / GROUP;
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < n; i++)
         FOR_ROWS(m, q4_1_row_512(x, k, nibbles + i * ((blocks + 1) / 2) * GROUP, scale + i * blocks,
-                                 min + i * blocks, sums, y + i, n, ROWS_NOW))
+                                 min + i * blocks, y + i, n, ROWS_NOW))
 }
 
 AVX512 static void q8_0_rows_512(const float *x, int64_t m, int64_t k, const int8_t *values, const float *scale,
                                  int64_t n, float *y) {
     const int64_t blocks = k / GROUP;
+    float *ordered = malloc((size_t)(m * k) * sizeof(float));
+    q8_0_byte_order(x, m, k, ordered);
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < n; i++)
-        FOR_ROWS(m, q8_0_row_512(x, k, values + i * k, scale + i * blocks, y + i, n, ROWS_NOW))
+        FOR_ROWS(m, q8_0_row_512(ordered, k, values + i * k, scale + i * blocks, y + i, n, ROWS_NOW))
+    free(ordered);
 }
 
 /* Many activation rows: each thread widens WEIGHT_ROWS weight rows at a time to float32 (scale
@@ -380,13 +390,13 @@ static void q4_1_matmul(const float *x, int64_t m, int64_t k, const uint8_t *nib
         matmul_many_rows(&w, x, m, k, n, y);
         return;
     }
-    float sums[FEW_ROWS * blocks];
-    block_sums(x, m, k, GROUP, sums);
     if (use_avx512 < 0) srv_gguf_set_isa(-1);
     if (use_avx512) {
-        q4_1_rows_512(x, m, k, nibbles, scale, min, sums, n, y);
+        q4_1_rows_512(x, m, k, nibbles, scale, min, n, y);
         return;
     }
+    float sums[FEW_ROWS * blocks];
+    block_sums(x, m, k, GROUP, sums);
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < n; i++)
         FOR_ROWS(m, q4_1_row(x, k, nibbles + i * ((blocks + 1) / 2) * GROUP, scale + i * blocks, min + i * blocks,
