@@ -16,6 +16,7 @@ from torch import nn
 import srv
 from srv.plugins.quantization.gguf import (DENSE_FROM_FLOAT32_ROWS, GGUFLinear, GGUFQuantization, Q4_1Weight,
                                            Q8_0Weight, q4_1_weight, q8_0_weight, quantized_weight)
+from srv.sdk.native import call_linear
 from test_engine import BF16_LOGPROB_TOLERANCE
 from test_sdk_testing import gguf_weight
 
@@ -131,16 +132,16 @@ PROMPTS = ("The capital of France is", "def fibonacci(n):", "Hi")
 
 
 def drive_decode_steps(engine, steps: int, tokens: list[torch.Tensor] | None = None,
-                       check=None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Prefill three ragged prompts, then `steps` decode steps of the three, driving the model
-    directly (its own argmax tokens, or `tokens`); `check(step, args, logits)` after each step.
-    Returns each step's tokens and logits."""
+                       check=None, copies: int = 1) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Prefill three ragged prompts (each `copies` times), then `steps` decode steps of them all,
+    driving the model directly (its own argmax tokens, or `tokens`); `check(step, args, logits)`
+    after each step. Returns each step's tokens and logits."""
     runner = engine.runner
-    prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
-    base = runner.kv_cache.k_buffers[0].shape[0] - 512   # slots no request of the engine holds
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS] * copies
+    base = runner.kv_cache.k_buffers[0].shape[0] - 100 * len(prompts) - 212   # slots no request holds
     slots = [torch.arange(base + 100 * i, base + 100 * (i + 1)) for i in range(len(prompts))]
     for buffer in runner.kv_cache.k_buffers + runner.kv_cache.v_buffers:
-        buffer[base:base + 300] = float("nan")   # a read of a slot not written yet shows
+        buffer[base:base + 100 * len(prompts)] = float("nan")   # a read of a slot not written yet shows
 
     def slot_table(lens: list[int]) -> torch.Tensor:
         """Each row's slots, 0 past its length (never-written slots may hold NaNs)."""
@@ -165,6 +166,12 @@ def drive_decode_steps(engine, steps: int, tokens: list[torch.Tensor] | None = N
             check(step, args, logits)
         lens = [n + 1 for n in lens]
     return all_tokens, all_logits
+
+
+def gaps(reference: list[torch.Tensor], logits: list[torch.Tensor]) -> list[float]:
+    """Per step, the largest log-probability difference on the reference's top 5."""
+    return [float((torch.log_softmax(want, -1) - torch.log_softmax(got, -1)).gather(1, want.topk(5, -1).indices)
+                  .abs().max()) for want, got in zip(reference, logits)]
 
 
 def count_native_steps(monkeypatch) -> list[bool]:
@@ -211,11 +218,6 @@ def test_a_bf16_model_decodes_small_batches_natively_in_float32(monkeypatch, qua
     bf16's tolerance)."""
     from srv.plugins.models.llama import LlamaForCausalLM
 
-    def gaps(reference: list[torch.Tensor], logits: list[torch.Tensor]) -> list[float]:
-        """Per step, the largest log-probability difference on the reference's top 5."""
-        return [float((torch.log_softmax(want, -1) - torch.log_softmax(got, -1)).gather(1, want.topk(5, -1).indices)
-                      .abs().max()) for want, got in zip(reference, logits)]
-
     with srv.Engine(dtype="float32") as engine:
         tokens, reference = drive_decode_steps(engine, 6)
     with srv.Engine(dtype="bfloat16", quantization=quantization) as engine:
@@ -226,6 +228,57 @@ def test_a_bf16_model_decodes_small_batches_natively_in_float32(monkeypatch, qua
         _, python = drive_decode_steps(engine, 6, tokens)
     assert native_steps == [False] + [True] * 6, "the bf16 model's decode steps did not run natively"
     assert max(gaps(reference, native)) <= max(max(gaps(reference, python)), BF16_LOGPROB_TOLERANCE)
+
+
+def test_a_bf16_model_decodes_larger_batches_natively_in_bf16_arithmetic(monkeypatch):
+    """Served in bf16, a GGUF file's decode steps of FLOAT32_DECODE_ROWS rows and more run the
+    native layers with the products in bf16 arithmetic, where the CPU has bf16 products: the
+    kernel's products equal bf16-rounded rows and weights summed in float32, and the steps'
+    log-probabilities are no further from the float32 model's than the Python layers' are (nor
+    than bf16's tolerance)."""
+    from srv.plugins.models import llama
+    from srv.plugins.quantization.gguf import has_bf16_products
+
+    if not has_bf16_products():
+        pytest.skip("this CPU has no bf16 products (AVX512_BF16)")
+    copies = -(-llama.FLOAT32_DECODE_ROWS // len(PROMPTS))
+    assert llama.FLOAT32_DECODE_ROWS <= copies * len(PROMPTS) < llama.BF16_DECODE_ROWS
+    with srv.Engine(dtype="float32") as engine:
+        tokens, reference = drive_decode_steps(engine, 4, copies=copies)
+    with srv.Engine(dtype="bfloat16") as engine:
+        native_steps = count_native_steps(monkeypatch)
+        _, native = drive_decode_steps(engine, 4, tokens, copies=copies)
+        monkeypatch.setattr(llama.LlamaForCausalLM, "_decode_natively", lambda self, x, rotary, batch: None)
+        _, python = drive_decode_steps(engine, 4, tokens, copies=copies)
+    assert native_steps == [False] + [True] * 4, "the bf16 model's larger decode steps did not run natively"
+    assert max(gaps(reference, native)) <= max(max(gaps(reference, python)), BF16_LOGPROB_TOLERANCE)
+
+
+def test_larger_bf16_decode_steps_run_the_python_layers_without_bf16_products(monkeypatch):
+    """Where a product offers no bf16 kernel (a CPU without bf16 products), the larger decode
+    steps of a bf16 model run the Python layers."""
+    offer = GGUFLinear.native_linear
+    monkeypatch.setattr(GGUFLinear, "native_linear", lambda self, rows, dtype=torch.float32:
+                        offer(self, rows) if dtype == torch.float32 else None)
+    with srv.Engine(dtype="bfloat16") as engine:
+        native_steps = count_native_steps(monkeypatch)
+        drive_decode_steps(engine, 2, copies=4)
+    assert native_steps == [False] * 3
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+def test_bf16_products_round_rows_and_weights_to_bf16(kind):
+    from srv.plugins.quantization.gguf import has_bf16_products
+
+    if not has_bf16_products():
+        pytest.skip("this CPU has no bf16 products (AVX512_BF16)")
+    w = weight(kind, 40, 96)
+    quantized = (q4_1_weight if kind == "Q4_1" else q8_0_weight)(w)
+    for rows in (1, 5, 13):
+        x = torch.randn(rows, 96)
+        reference = x.bfloat16().double() @ w.bfloat16().double().t()
+        error = (call_linear(quantized.bf16_kernel, x, 40).double() - reference).abs().max() / reference.abs().max()
+        assert error < 1e-5, f"{rows} rows: relative error {error:.1e}"
 
 
 def test_quantization_none_serves_a_gguf_file_dequantized():

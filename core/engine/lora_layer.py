@@ -29,9 +29,10 @@ class LoRALayer(nn.Module):
         self.products[slot] = products
         self.manager.backend.products_changed(self.products, slot)
 
-    def native_linear(self, rows: int):
+    def native_linear(self, rows: int, dtype: torch.dtype = torch.float32):
         base = getattr(self.base, "native_linear", None)
-        kernel = base(rows) if base is not None else None
+        # The adapters' kernels add float32 products (see srv.sdk.linear.LinearMethod for dtype).
+        kernel = base(rows) if base is not None and dtype == torch.float32 else None
         shape = getattr(self.base, "in_features", None), getattr(self.base, "out_features", None)
         if kernel is None or None in shape:
             return None

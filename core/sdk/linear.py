@@ -51,10 +51,12 @@ class LinearMethod(ABC):
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         """x [..., in_features] in the served dtype -> [..., out_features] in the same dtype."""
 
-    def native_linear(self, layer: Linear, rows: int) -> NativeKernel | None:
+    def native_linear(self, layer: Linear, rows: int, dtype: torch.dtype = torch.float32) -> NativeKernel | None:
         """A C kernel computing this layer's float32 forward for `rows` rows, to the bit (see
         srv.sdk.native.NativeKernel), or None. A model whose every product has one runs its
-        decode steps' layers in C."""
+        decode steps' layers in C. With `dtype` bfloat16: the product of float32 rows in the
+        arithmetic of the layer's bf16 forward (rows and weights rounded to bf16, float32
+        sums), for a model served in bf16; None where there is none."""
         return None
 
 
@@ -70,8 +72,8 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.method.apply(self, x)
 
-    def native_linear(self, rows: int) -> NativeKernel | None:
-        return self.method.native_linear(self, rows)
+    def native_linear(self, rows: int, dtype: torch.dtype = torch.float32) -> NativeKernel | None:
+        return self.method.native_linear(self, rows, dtype)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "

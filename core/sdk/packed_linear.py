@@ -88,9 +88,10 @@ class PackedLinear(nn.Module):
         self.kernel: NativeKernel | None = None
         self.float32_bias: torch.Tensor | None = None
 
-    def native_linear(self, rows: int) -> NativeKernel | None:
-        """The row-major kernel for `rows` float32 rows, or None where oneDNN computes them."""
-        if not self.keep_rows or rows >= NATIVE_ROWS[self.weight_dtype]:
+    def native_linear(self, rows: int, dtype: torch.dtype = torch.float32) -> NativeKernel | None:
+        """The row-major kernel for `rows` float32 rows, or None where oneDNN computes them (and
+        for products in other arithmetic than float32: see srv.sdk.linear.LinearMethod)."""
+        if not self.keep_rows or rows >= NATIVE_ROWS[self.weight_dtype] or dtype != torch.float32:
             return None
         if self.kernel is None:
             # The addresses of the weight and bias as they are now: srv never replaces them after

@@ -33,6 +33,29 @@ SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCaus
 # the products read, and the C layers skip the Python calls. Larger steps are bound by arithmetic,
 # where the served dtype's dense products (AMX) are faster. See BENCHMARKS.md.
 FLOAT32_DECODE_ROWS = int(os.environ.get("SRV_FLOAT32_DECODE_ROWS", "12"))
+# From FLOAT32_DECODE_ROWS rows up to this, a bf16 model's decode steps run the native layers with
+# products in bf16 arithmetic (each product's native_linear(rows, torch.bfloat16), where every
+# product has one: a GGUF file's blocks on a CPU with bf16 products): the arithmetic of the
+# Python layers' dense bf16 products, without their dozen Python calls a layer. Larger steps
+# are bound by the products alone, where oneDNN's are as fast and the calls cost little.
+BF16_DECODE_ROWS = int(os.environ.get("SRV_BF16_DECODE_ROWS", "32"))
+
+
+def native_product(module: nn.Module, rows: int, dtype: torch.dtype) -> NativeKernel | None:
+    """The module's C kernel for `rows` float32 rows in `dtype`'s arithmetic (see
+    srv.sdk.linear.LinearMethod.native_linear), or None."""
+    offer = getattr(module, "native_linear", None)
+    if offer is None:
+        return None
+    return offer(rows) if dtype == torch.float32 else offer(rows, dtype)
+
+
+def native_products_dtype(dtype: torch.dtype, rows: int) -> torch.dtype | None:
+    """The arithmetic of the native layers' products for a decode step of `rows` rows of a
+    model served in `dtype`, or None where the Python layers run it."""
+    if dtype == torch.float32 or rows < FLOAT32_DECODE_ROWS:
+        return torch.float32
+    return torch.bfloat16 if dtype == torch.bfloat16 and rows < BF16_DECODE_ROWS else None
 
 
 @functools.cache
@@ -275,7 +298,7 @@ class LlamaForCausalLM(nn.Module):
         # Per batch size: the layers as srv_decode_layers runs them, or None where one lacks a kernel.
         # They hold the addresses of the weights, which must not be replaced after the first decode
         # step (srv never does; the loader and the quantization run before it).
-        self.native_layers: dict[int, ctypes.Array | None] = {}
+        self.native_layers: dict[tuple[int, torch.dtype], ctypes.Array | None] = {}
         self.float32_norms: dict[int, RMSNorm] = {}
 
     def build_mlp(self, config: Any, layer: int, parallel: ParallelContext) -> nn.Module:
@@ -331,15 +354,17 @@ class LlamaForCausalLM(nn.Module):
         """A decode step's layers in one C call, when every product and the attention have a
         kernel (srv.sdk.native.NativeKernel): x becomes the last layer's output, and the residual
         stream is returned. The Python layers call the same kernels in the same order; one call
-        saves the dozen Python calls a layer costs."""
+        saves the dozen Python calls a layer costs. Products in bf16 arithmetic (see
+        native_products_dtype) hand back both in the served dtype, for its norm and head."""
         rows = x.shape[0]
-        if not batch.is_decode or (x.dtype != torch.float32 and rows >= FLOAT32_DECODE_ROWS):
+        products = native_products_dtype(x.dtype, rows)
+        if not batch.is_decode or products is None:
             return None
         if self.parallel.is_parallel or self.parallel.is_pipelined:   # the C layers have no collectives
             return None
-        if rows not in self.native_layers:
-            self.native_layers[rows] = self._native_layers(rows)
-        layers = self.native_layers[rows]
+        if (rows, products) not in self.native_layers:
+            self.native_layers[rows, products] = self._native_layers(rows, products)
+        layers = self.native_layers[rows, products]
         attention = None if layers is None else batch.attention.native_decode(batch)
         if attention is None:
             return None
@@ -353,9 +378,11 @@ class LlamaForCausalLM(nn.Module):
         kernels().srv_decode_layers(ctypes.addressof(layers), len(layers), ctypes.addressof(shapes),
                                     ctypes.addressof(attention), cos.data_ptr(), sin.data_ptr(), x.data_ptr(),
                                     residual.data_ptr(), rows, *(t.data_ptr() for t in scratch))
+        if products != torch.float32:
+            return x.to(products), residual.to(products)
         return x, residual
 
-    def _native_layers(self, rows: int) -> ctypes.Array | None:
+    def _native_layers(self, rows: int, products: torch.dtype) -> ctypes.Array | None:
         if kernels() is None:
             return None
         layers = []
@@ -363,14 +390,14 @@ class LlamaForCausalLM(nn.Module):
             attention, mlp = layer.self_attn, layer.mlp
             if attention.qk_norm or attention.full_qk_norm or attention.clip_qkv is not None or type(mlp) is not MLP:
                 return None
-            products = [getattr(module, "native_linear", lambda rows: None)(rows) for module in
+            offered = [native_product(module, rows, products) for module in
                         (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-            if None in products:
+            if None in offered:
                 return None
             norms = [norm if norm.weight.dtype == torch.float32 else self._float32_copy(norm)
                      for norm in (layer.input_layernorm, layer.post_attention_layernorm)]
-            layers.append(NativeDecoderLayer(*products, *(norm.weight.data_ptr() for norm in norms)))
-        if getattr(self.lm_head, "native_linear", lambda rows: None)(rows) is None and \
+            layers.append(NativeDecoderLayer(*offered, *(norm.weight.data_ptr() for norm in norms)))
+        if products == torch.float32 and native_product(self.lm_head, rows, products) is None and \
                 (getattr(self.lm_head, "weight_dtype", None) or self.lm_head.weight.dtype) != torch.float32:
             return None   # the head takes the float32 rows only from a kernel
         return (NativeDecoderLayer * len(layers))(*layers)

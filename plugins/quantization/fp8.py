@@ -171,8 +171,8 @@ class Fp8LinearMethod(LinearMethod):
         y = layer.fp8.matmul(x.reshape(rows, layer.in_features), x.dtype)
         return y.to(x.dtype).view(*x.shape[:-1], layer.out_features)
 
-    def native_linear(self, layer: Linear, rows: int) -> NativeKernel | None:
-        return layer.fp8.kernel if rows < NATIVE_ROWS else None
+    def native_linear(self, layer: Linear, rows: int, dtype: torch.dtype = torch.float32) -> NativeKernel | None:
+        return layer.fp8.kernel if rows < NATIVE_ROWS and dtype == torch.float32 else None
 
 
 class Fp8Quantization(QuantizationMethod):

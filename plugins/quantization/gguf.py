@@ -69,7 +69,14 @@ def kernels() -> ctypes.CDLL:
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     library.srv_gguf_linear.argtypes = [pointer, pointer, size, pointer]
     library.srv_gguf_set_isa.argtypes = [ctypes.c_int]
+    library.srv_gguf_linear_bf16.argtypes = [pointer, pointer, size, pointer]
     return library
+
+
+@functools.cache
+def has_bf16_products() -> bool:
+    """Whether the CPU computes bf16 products (AVX512_BF16): srv_gguf_linear_bf16 runs."""
+    return bool(kernels().srv_gguf_has_bf16())
 
 
 def set_isa(name: str | None) -> None:
@@ -98,6 +105,8 @@ class BlockWeight:
         self.context = LinearContext(self.FORMAT_ID, self.in_features, self.out_features, data.data_ptr(),
                                      scale.data_ptr(), None if min is None else min.data_ptr())
         self.kernel = NativeKernel.of(kernels().srv_gguf_linear, self.context)
+        self.bf16_kernel = (NativeKernel.of(kernels().srv_gguf_linear_bf16, self.context)
+                            if has_bf16_products() and self.in_features % 32 == 0 else None)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {field: getattr(self, field) for field in self.FIELDS}
@@ -183,10 +192,16 @@ class GGUFLinear(nn.Module):
         self.plain = dense.bias is None
         self.in_features, self.out_features = dense.in_features, dense.out_features
 
-    def native_linear(self, rows: int) -> NativeKernel | None:
+    def native_linear(self, rows: int, dtype: torch.dtype = torch.float32) -> NativeKernel | None:
         """The kernels' product for `rows` float32 rows, or None where the dense copy computes it
-        (from DENSE_FROM_FLOAT32_ROWS rows) or a bias is added."""
-        return self.weight.kernel if self._kernel_alone(rows) else None
+        (from DENSE_FROM_FLOAT32_ROWS rows) or a bias is added. In bf16 (`dtype`), the rows and
+        the file's weights rounded to bf16 as the dense bf16 copy's product rounds them, where
+        the CPU has bf16 products."""
+        if not self._kernel_alone(rows):
+            return None
+        if dtype == torch.float32:
+            return self.weight.kernel
+        return self.weight.bf16_kernel if dtype == torch.bfloat16 else None
 
     def _kernel_alone(self, rows: int) -> bool:
         """Whether `rows` float32 rows are the kernel's product and nothing else."""

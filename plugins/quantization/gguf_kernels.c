@@ -381,6 +381,112 @@ static void matmul_many_rows(const QuantizedRows *w, const float *x, int64_t m, 
     }
 }
 
+/* Products in bf16 arithmetic, for the decode steps of a model served in bf16 that are large
+ * enough for the Python layers to compute them from the dense bf16 copy: x and the weights
+ * rounded to bf16 (nearest even, as torch rounds), products summed in float32 by vdpbf16ps, two
+ * to a float32 lane: twice the multiply-adds of an FMA an instruction. Each thread widens
+ * WEIGHT_ROWS weight rows (dequantize_row) and rounds them once for all activation rows. Needs
+ * AVX512_BF16 (srv_gguf_has_bf16) and K a multiple of 32. */
+#define BF16 __attribute__((target("avx512f,avx512bw,avx512bf16,avx2,fma")))
+
+int srv_gguf_has_bf16(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512bf16");
+}
+
+/* count (a multiple of 16) floats rounded to bf16. */
+BF16 static void round_to_bf16(const float *x, int64_t count, uint16_t *out) {
+    for (int64_t i = 0; i < count; i += 16)
+        _mm256_storeu_si256((__m256i *)(out + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i)));
+}
+
+/* y[r][j] = w[j] . x[r] for j < `present` bf16 weight rows and `rows` bf16 rows of x (both
+ * constant), K apart. */
+BF16 INLINE void tile_bf16(const uint16_t *w, const uint16_t *x, int64_t k, float *y, int64_t n, const int present,
+                           const int rows) {
+    __m512 acc[WEIGHT_ROWS][4];
+    for (int j = 0; j < present; j++)
+        for (int r = 0; r < rows; r++) acc[j][r] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < k; c += 32) {
+        __m512bh wv[WEIGHT_ROWS];
+        for (int j = 0; j < present; j++) wv[j] = (__m512bh)_mm512_loadu_si512(w + j * k + c);
+        for (int r = 0; r < rows; r++) {
+            const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + r * k + c);
+            for (int j = 0; j < present; j++) acc[j][r] = _mm512_dpbf16_ps(acc[j][r], wv[j], xv);
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int j = 0; j < present; j++) y[r * n + j] = _mm512_reduce_add_ps(acc[j][r]);
+}
+
+BF16 static void any_tile_bf16(const uint16_t *w, const uint16_t *x, int64_t k, float *y, int64_t n, int present,
+                               int rows) {
+    if (present == WEIGHT_ROWS) {
+        FOR_ROWS(rows, tile_bf16(w, x, k, y, n, WEIGHT_ROWS, ROWS_NOW))
+    } else {
+        for (int j = 0; j < present; j++) FOR_ROWS(rows, tile_bf16(w + j * k, x, k, y + j, n, 1, ROWS_NOW))
+    }
+}
+
+/* Weight row i of `w` in bf16: Q4_1 from its blocks' levels (q4_1_row_512), Q8_0 in its bytes'
+ * order (q8_0_row_512), others widened by dequantize_row into `widened` first. */
+BF16 static void bf16_row(const QuantizedRows *w, int64_t i, int64_t k, float *widened, uint16_t *out) {
+    const int64_t blocks = k / GROUP;
+    const float *scale = w->scale + i * blocks;
+    if (w->format == Q4_1) {
+        const uint8_t *nibbles = (const uint8_t *)w->data + i * ((blocks + 1) / 2) * GROUP;
+        const float *min = w->min + i * blocks;
+        const __m512 levels = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        for (int64_t b = 0; b < blocks; b++) {
+            const __m512i packed = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(nibbles + (b / 2) * GROUP)));
+            const __m512 table = _mm512_fmadd_ps(_mm512_set1_ps(scale[b]), levels, _mm512_set1_ps(min[b]));
+            const int h = 2 * (b % 2);
+            const __m512 w0 = _mm512_permutexvar_ps(_mm512_srlv_epi32(packed, nibble_counts(h)), table);
+            const __m512 w1 = _mm512_permutexvar_ps(_mm512_srlv_epi32(packed, nibble_counts(h + 1)), table);
+            _mm512_storeu_si512(out + b * GROUP, (__m512i)_mm512_cvtne2ps_pbh(w1, w0));
+        }
+    } else if (w->format == Q8_0) {
+        const int8_t *values = (const int8_t *)w->data + i * k;
+        for (int64_t b = 0; b < blocks; b++) {
+            const __m512 d = _mm512_set1_ps(scale[b]);
+            const __m512 w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(values + b * GROUP)))));
+            const __m512 w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(values + b * GROUP + 16)))));
+            _mm512_storeu_si512(out + b * GROUP, (__m512i)_mm512_cvtne2ps_pbh(w1, w0));
+        }
+    } else {
+        dequantize_row(w, i, k, widened);
+        round_to_bf16(widened, k, out);
+    }
+}
+
+BF16 static void matmul_bf16(const QuantizedRows *w, const float *x, int64_t m, int64_t k, int64_t n, float *y) {
+    uint16_t *xb = malloc((size_t)(m * k) * sizeof(uint16_t));
+    if (w->format == Q8_0) {   /* the weights come in their bytes' order */
+        float *ordered = malloc((size_t)(m * k) * sizeof(float));
+        q8_0_byte_order(x, m, k, ordered);
+        round_to_bf16(ordered, m * k, xb);
+        free(ordered);
+    } else {
+        round_to_bf16(x, m * k, xb);
+    }
+#pragma omp parallel
+    {
+        float *widened = malloc((size_t)k * sizeof(float));
+        uint16_t *rows = malloc((size_t)(WEIGHT_ROWS * k) * sizeof(uint16_t));
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < n; i += WEIGHT_ROWS) {
+            const int present = n - i < WEIGHT_ROWS ? (int)(n - i) : WEIGHT_ROWS;
+            for (int j = 0; j < present; j++) bf16_row(w, i + j, k, widened, rows + j * k);
+            for (int64_t r0 = 0; r0 < m; r0 += 4)
+                any_tile_bf16(rows, xb + r0 * k, k, y + r0 * n + i, n, present, m - r0 < 4 ? (int)(m - r0) : 4);
+        }
+        free(widened);
+        free(rows);
+    }
+    free(xb);
+}
+
 /* Output rows split across threads, each weight row read once for all activation rows. */
 static void q4_1_matmul(const float *x, int64_t m, int64_t k, const uint8_t *nibbles, const float *scale,
                         const float *min, int64_t n, float *y) {
@@ -453,4 +559,11 @@ void srv_gguf_linear(const void *context, const float *x, int64_t rows, float *y
         q8_0_matmul(x, rows, c->in_features, c->data, c->scale, c->out_features, y);
     else
         q8_16_matmul(x, rows, c->in_features, c->data, c->scale, c->min, c->out_features, y);
+}
+
+/* srv_gguf_linear in bf16 arithmetic (see matmul_bf16). */
+void srv_gguf_linear_bf16(const void *context, const float *x, int64_t rows, float *y) {
+    const LinearContext *c = context;
+    const QuantizedRows w = {(int)c->format, c->data, c->scale, c->min};
+    matmul_bf16(&w, x, rows, c->in_features, c->out_features, y);
 }

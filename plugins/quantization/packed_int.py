@@ -273,10 +273,10 @@ class PackedIntLinearMethod(LinearMethod):
         rows = x.numel() // layer.in_features
         return layer.packed.matmul(x.reshape(rows, layer.in_features)).view(*x.shape[:-1], layer.out_features)
 
-    def native_linear(self, layer: Linear, rows: int) -> NativeKernel | None:
+    def native_linear(self, layer: Linear, rows: int, dtype: torch.dtype = torch.float32) -> NativeKernel | None:
         packed = layer.packed
         if packed.block is None or packed.perm is not None or packed.bias is not None \
-                or rows >= gguf.DENSE_FROM_FLOAT32_ROWS:
+                or rows >= gguf.DENSE_FROM_FLOAT32_ROWS or dtype != torch.float32:
             return None
         return packed.block.kernel
 

@@ -153,9 +153,9 @@ class Int8LinearMethod(LinearMethod):
         y = layer.int8.matmul(x.reshape(rows, layer.in_features).float().contiguous())
         return y.to(x.dtype).view(*x.shape[:-1], layer.out_features)
 
-    def native_linear(self, layer: Linear, rows: int) -> NativeKernel | None:
+    def native_linear(self, layer: Linear, rows: int, dtype: torch.dtype = torch.float32) -> NativeKernel | None:
         # Larger batches are faster on oneDNN's GEMM, which the C layers cannot call.
-        return layer.int8.kernel if rows < NATIVE_LAYER_ROWS else None
+        return layer.int8.kernel if rows < NATIVE_LAYER_ROWS and dtype == torch.float32 else None
 
 
 class W8A8Int8Quantization(QuantizationMethod):
