@@ -187,59 +187,69 @@ AVX512 static inline __m512i nibble_counts(int h) {
 /* Q4_1 in AVX-512 widens no nibble: a block's sixteen possible weights, scale * q + min for
  * q = 0..15 rounded once (as the file's dequantized weights are), are one vector, and vpermps
  * picks each weight from it by its nibble (it reads an index's low four bits only, so no mask
- * either). Two instructions a sixteen weights instead of three and one multiply-add a row, and
- * the min needs no term of its own. */
-AVX512 INLINE void q4_1_row_512(const float *x, int64_t k, const uint8_t *nibbles, const float *scale,
-                                const float *min, float *y, int64_t n, const int rows) {
-    const int64_t blocks = k / GROUP;
+ * either). Two instructions a sixteen weights instead of three, and the min needs no term of its
+ * own. Shared by the few-row products and the bf16 rows. */
+AVX512 static inline void q4_1_pair_512(const uint8_t *nibbles, const float *scale, const float *min, int64_t b,
+                                        int64_t blocks, __m512 w[4]) {
+    /* w: blocks b (even) and b + 1's 64 weights in order, the second block's zero past the last. */
     const __m512 levels = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512i c0 = nibble_counts(0), c1 = nibble_counts(1), c2 = nibble_counts(2), c3 = nibble_counts(3);
-    /* Two accumulators a row: its FMAs form two dependency chains instead of one. */
-    __m512 even[FEW_ROWS], odd[FEW_ROWS];
-    for (int r = 0; r < rows; r++) even[r] = odd[r] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < blocks; b += 2) {
-        const int both = b + 1 < blocks;   /* an odd count: the last pair holds one block */
-        const __m512i packed = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(nibbles + b * (GROUP / 2))));
-        const __m512 first = _mm512_fmadd_ps(_mm512_set1_ps(scale[b]), levels, _mm512_set1_ps(min[b]));
-        const __m512 w0 = _mm512_permutexvar_ps(_mm512_srlv_epi32(packed, c0), first);
-        const __m512 w1 = _mm512_permutexvar_ps(_mm512_srlv_epi32(packed, c1), first);
-        __m512 w2 = _mm512_setzero_ps(), w3 = w2;
-        if (both) {
-            const __m512 second = _mm512_fmadd_ps(_mm512_set1_ps(scale[b + 1]), levels, _mm512_set1_ps(min[b + 1]));
-            w2 = _mm512_permutexvar_ps(_mm512_srlv_epi32(packed, c2), second);
-            w3 = _mm512_permutexvar_ps(_mm512_srlv_epi32(packed, c3), second);
-        }
-        for (int r = 0; r < rows; r++) {
-            const float *xr = x + r * k + b * GROUP;
-            even[r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr), even[r]);
-            odd[r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + 16), odd[r]);
-            if (both) {
-                even[r] = _mm512_fmadd_ps(w2, _mm512_loadu_ps(xr + 32), even[r]);
-                odd[r] = _mm512_fmadd_ps(w3, _mm512_loadu_ps(xr + 48), odd[r]);
-            }
-        }
+    const __m512i packed = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(nibbles + b * (GROUP / 2))));
+    const __m512 first = _mm512_fmadd_ps(_mm512_set1_ps(scale[b]), levels, _mm512_set1_ps(min[b]));
+    w[0] = _mm512_permutexvar_ps(_mm512_srlv_epi32(packed, nibble_counts(0)), first);
+    w[1] = _mm512_permutexvar_ps(_mm512_srlv_epi32(packed, nibble_counts(1)), first);
+    w[2] = w[3] = _mm512_setzero_ps();
+    if (b + 1 < blocks) {   /* an odd count: the last pair holds one block */
+        const __m512 second = _mm512_fmadd_ps(_mm512_set1_ps(scale[b + 1]), levels, _mm512_set1_ps(min[b + 1]));
+        w[2] = _mm512_permutexvar_ps(_mm512_srlv_epi32(packed, nibble_counts(2)), second);
+        w[3] = _mm512_permutexvar_ps(_mm512_srlv_epi32(packed, nibble_counts(3)), second);
     }
-    for (int r = 0; r < rows; r++) y[r * n] = _mm512_reduce_add_ps(_mm512_add_ps(even[r], odd[r]));
 }
 
 /* Q8_0 in AVX-512: vpmovsxbd widens sixteen bytes of a block as they lie, which is not the
  * weights' order (byte 4l + s is weight 8s + l, see q8_0_block), so the activations are put in
  * the bytes' order once a call instead (q8_0_byte_order). Each weight is scaled once for all
- * rows, d * q rounded once as the file's dequantized weight is. */
+ * rows, d * q rounded once as the file's dequantized weight is. w: the block's 32 weights in its
+ * bytes' order. */
+AVX512 static inline void q8_0_block_512(const int8_t *block, float scale, __m512 w[2]) {
+    const __m512 d = _mm512_set1_ps(scale);
+    w[0] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)block))));
+    w[1] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(block + 16)))));
+}
+
+/* One output row against `rows` activation rows (constant, see FOR_ROWS); two accumulators a
+ * row, so that its FMAs form two dependency chains instead of one. */
+AVX512 INLINE void q4_1_row_512(const float *x, int64_t k, const uint8_t *nibbles, const float *scale,
+                                const float *min, float *y, int64_t n, const int rows) {
+    const int64_t blocks = k / GROUP;
+    __m512 even[FEW_ROWS], odd[FEW_ROWS];
+    for (int r = 0; r < rows; r++) even[r] = odd[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; b += 2) {
+        __m512 w[4];
+        q4_1_pair_512(nibbles, scale, min, b, blocks, w);
+        /* past an odd count's last block, x is not read: its weights are zero, its loads masked */
+        const __mmask16 second = b + 1 < blocks ? 0xFFFF : 0;
+        for (int r = 0; r < rows; r++) {
+            const float *xr = x + r * k + b * GROUP;
+            even[r] = _mm512_fmadd_ps(w[0], _mm512_loadu_ps(xr), even[r]);
+            odd[r] = _mm512_fmadd_ps(w[1], _mm512_loadu_ps(xr + 16), odd[r]);
+            even[r] = _mm512_fmadd_ps(w[2], _mm512_maskz_loadu_ps(second, xr + 32), even[r]);
+            odd[r] = _mm512_fmadd_ps(w[3], _mm512_maskz_loadu_ps(second, xr + 48), odd[r]);
+        }
+    }
+    for (int r = 0; r < rows; r++) y[r * n] = _mm512_reduce_add_ps(_mm512_add_ps(even[r], odd[r]));
+}
+
 AVX512 INLINE void q8_0_row_512(const float *x, int64_t k, const int8_t *values, const float *scale, float *y,
                                 int64_t n, const int rows) {
     const int64_t blocks = k / GROUP;
-    /* Two accumulators a row: its FMAs form two dependency chains instead of one. */
     __m512 even[FEW_ROWS], odd[FEW_ROWS];
     for (int r = 0; r < rows; r++) even[r] = odd[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
-        const int8_t *block = values + b * GROUP;
-        const __m512 d = _mm512_set1_ps(scale[b]);
-        const __m512 w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)block))));
-        const __m512 w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(block + 16)))));
+        __m512 w[2];
+        q8_0_block_512(values + b * GROUP, scale[b], w);
         for (int r = 0; r < rows; r++) {
-            even[r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + r * k + b * GROUP), even[r]);
-            odd[r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + r * k + b * GROUP + 16), odd[r]);
+            even[r] = _mm512_fmadd_ps(w[0], _mm512_loadu_ps(x + r * k + b * GROUP), even[r]);
+            odd[r] = _mm512_fmadd_ps(w[1], _mm512_loadu_ps(x + r * k + b * GROUP + 16), odd[r]);
         }
     }
     for (int r = 0; r < rows; r++) y[r * n] = _mm512_reduce_add_ps(_mm512_add_ps(even[r], odd[r]));
@@ -436,30 +446,24 @@ BF16 static void bf16_row(const QuantizedRows *w, int64_t i, int64_t k, float *w
     const float *scale = w->scale + i * blocks;
     if (w->format == Q4_1) {
         const uint8_t *nibbles = (const uint8_t *)w->data + i * ((blocks + 1) / 2) * GROUP;
-        const float *min = w->min + i * blocks;
-        const __m512 levels = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-        for (int64_t b = 0; b < blocks; b++) {
-            const __m512i packed = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(nibbles + (b / 2) * GROUP)));
-            const __m512 table = _mm512_fmadd_ps(_mm512_set1_ps(scale[b]), levels, _mm512_set1_ps(min[b]));
-            const int h = 2 * (b % 2);
-            const __m512 w0 = _mm512_permutexvar_ps(_mm512_srlv_epi32(packed, nibble_counts(h)), table);
-            const __m512 w1 = _mm512_permutexvar_ps(_mm512_srlv_epi32(packed, nibble_counts(h + 1)), table);
-            _mm512_storeu_si512(out + b * GROUP, (__m512i)_mm512_cvtne2ps_pbh(w1, w0));
+        for (int64_t b = 0; b < blocks; b += 2) {
+            __m512 pair[4];
+            q4_1_pair_512(nibbles, scale, w->min + i * blocks, b, blocks, pair);
+            _mm512_storeu_si512(out + b * GROUP, (__m512i)_mm512_cvtne2ps_pbh(pair[1], pair[0]));
+            if (b + 1 < blocks)
+                _mm512_storeu_si512(out + (b + 1) * GROUP, (__m512i)_mm512_cvtne2ps_pbh(pair[3], pair[2]));
         }
     } else if (w->format == Q8_0) {
-        const int8_t *values = (const int8_t *)w->data + i * k;
         for (int64_t b = 0; b < blocks; b++) {
-            const __m512 d = _mm512_set1_ps(scale[b]);
-            const __m512 w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(values + b * GROUP)))));
-            const __m512 w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(values + b * GROUP + 16)))));
-            _mm512_storeu_si512(out + b * GROUP, (__m512i)_mm512_cvtne2ps_pbh(w1, w0));
+            __m512 block[2];
+            q8_0_block_512((const int8_t *)w->data + i * k + b * GROUP, scale[b], block);
+            _mm512_storeu_si512(out + b * GROUP, (__m512i)_mm512_cvtne2ps_pbh(block[1], block[0]));
         }
     } else {
         dequantize_row(w, i, k, widened);
         round_to_bf16(widened, k, out);
     }
 }
-
 BF16 static void matmul_bf16(const QuantizedRows *w, const float *x, int64_t m, int64_t k, int64_t n, float *y) {
     uint16_t *xb = malloc((size_t)(m * k) * sizeof(uint16_t));
     if (w->format == Q8_0) {   /* the weights come in their bytes' order */
