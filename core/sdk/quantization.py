@@ -24,7 +24,10 @@ large batches, say); `finalize` repacks that one like any other.
 A replacement may also offer `native_linear(rows) -> srv.sdk.native.NativeKernel | None`: a C
 kernel computing its float32 forward for batches of `rows` rows, to the bit. A model that has
 one for every product of its layers runs its decode steps' layers in C (srv's Llama does). The
-kit checks that kernel against `forward`.
+kit checks that kernel against `forward`. A model served in bf16 may also ask
+`native_linear(rows, torch.bfloat16)` for larger decode steps: the product of float32 rows in the
+bf16 forward's arithmetic (rows and weights rounded to bf16, float32 sums), or None (the Python
+layers then run the step); a replacement that takes no `dtype` is asked for float32 only.
 """
 
 from __future__ import annotations
