@@ -412,3 +412,106 @@ def test_chain_algorithms_refuse_a_topk(srv_tiny_model_dir):
     with pytest.raises(Exception, match="NGRAM drafts chains"):
         srv.Engine(model_path=str(srv_tiny_model_dir), dtype="float32", speculative_algorithm="NGRAM",
                    speculative_eagle_topk=2)
+
+
+def test_a_token_map_narrows_eagles_drafts_and_keeps_the_output(srv_tiny_model_dir, tmp_path):
+    """--speculative-token-map (a torch file of ids, as SGLang reads it): EAGLE drafts only ids
+    in the map, the head's logits over them being the target head's at those ids; a map of the
+    whole vocabulary drafts what no map drafts; greedy output stays the target's."""
+    head = write_eagle_head(tmp_path / "eagle", eagle3=False)
+    prompts = repeating_prompts(seed=4)
+    greedy = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
+    hot = torch.randperm(256, generator=torch.Generator().manual_seed(3))[:96]
+    torch.save(hot, tmp_path / "hot.pt")
+    torch.save(torch.arange(255, -1, -1).tolist(), tmp_path / "all.pt")   # a list, in another order
+    flags = {"model_path": str(srv_tiny_model_dir), "dtype": "float32", "speculative_algorithm": "EAGLE",
+             "speculative_draft_model_path": str(head), "speculative_num_steps": 3}
+    drafts = {}
+    for name, token_map in [("none", None), ("hot", "hot.pt"), ("all", "all.pt")]:
+        extra = {"speculative_token_map": str(tmp_path / token_map)} if token_map else {}
+        with srv.Engine(**flags, **extra) as engine:
+            algorithm = engine.scheduler.worker.algorithm
+            proposed = []
+            propose = algorithm.propose
+            def recording(requests, budgets, propose=propose):
+                out = propose(requests, budgets)
+                proposed.extend(t for chain in out for t in chain)
+                return out
+            algorithm.propose = recording
+            results = engine.generate(input_ids=prompts, sampling_params=greedy)
+            for prompt, result in zip(prompts, results):
+                assert result["output_ids"] == hf_greedy(tiny_llama(), prompt, 16)
+            drafts[name] = proposed
+            if name == "hot":
+                hidden = torch.randn(3, tiny_llama().config.hidden_size)
+                assert torch.allclose(algorithm.logits_head(hidden), algorithm.context.target_head(hidden)[:, hot],
+                                      atol=1e-5)
+    assert drafts["hot"] and set(drafts["hot"]) <= set(hot.tolist())
+    assert drafts["all"] == drafts["none"] and drafts["none"]
+
+
+def test_token_map_and_draft_revision_errors_name_the_flag(srv_tiny_model_dir, tmp_path):
+    head = write_eagle_head(tmp_path / "eagle", eagle3=False)
+    eagle3 = write_eagle_head(tmp_path / "eagle3", eagle3=True)
+    torch.save(torch.tensor([1, 2, 2]), tmp_path / "twice.pt")
+    torch.save(torch.tensor([1, 256]), tmp_path / "outside.pt")
+    torch.save(torch.ones(2, 2), tmp_path / "floats.pt")
+    flags = {"model_path": str(srv_tiny_model_dir), "dtype": "float32"}
+    eagle = {"speculative_algorithm": "EAGLE", "speculative_draft_model_path": str(head)}
+    for extra, message in [
+        (eagle | {"speculative_token_map": str(tmp_path / "twice.pt")}, "more than once"),
+        (eagle | {"speculative_token_map": str(tmp_path / "outside.pt")}, r"\[0, 256\)"),
+        (eagle | {"speculative_token_map": str(tmp_path / "floats.pt")}, "1-D list of integer"),
+        (eagle | {"speculative_token_map": str(tmp_path / "absent.pt")}, "--speculative-token-map .* does not exist"),
+        (eagle | {"speculative_token_map": "srv-test/absent/hot.pt", "download_dir": str(tmp_path / "hub")},
+         "never downloads"),
+        ({"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": str(eagle3),
+          "speculative_token_map": str(tmp_path / "twice.pt")}, "EAGLE3 reads no token map"),
+        ({"speculative_algorithm": "NGRAM", "speculative_token_map": str(tmp_path / "twice.pt")}, "NGRAM reads no"),
+        (eagle | {"speculative_draft_model_revision": "main"}, "--speculative-draft-model-revision main names a"),
+        ({"speculative_algorithm": "NGRAM", "speculative_draft_model_revision": "main"},
+         "--speculative-draft-model-path is unset"),
+    ]:
+        with pytest.raises(Exception, match=message):
+            srv.Engine(**flags, **extra)
+
+
+def test_a_draft_model_is_found_in_the_local_hub_cache_at_its_revision(srv_tiny_model_dir, tmp_path):
+    """--speculative-draft-model-path org/name with --speculative-draft-model-revision (and a
+    token map as org/name/file): the local cache's snapshot, as --model-path and --revision are."""
+    cache = tmp_path / "hub"
+    repo = cache / "models--srv-test--eagle"
+    for commit, seed in (("1" * 40, 0), ("2" * 40, 1)):
+        write_eagle_head(repo / "snapshots" / commit, eagle3=False, seed=seed)
+    torch.save(torch.arange(128), repo / "snapshots" / ("2" * 40) / "hot.pt")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("2" * 40)
+    greedy = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
+    prompt = repeating_prompts(seed=5)[0]
+    for revision, expected in ((None, "2" * 40), ("1" * 40, "1" * 40)):
+        with srv.Engine(model_path=str(srv_tiny_model_dir), dtype="float32", download_dir=str(cache),
+                        speculative_algorithm="EAGLE", speculative_draft_model_path="srv-test/eagle",
+                        speculative_draft_model_revision=revision, speculative_token_map="srv-test/eagle/hot.pt",
+                        speculative_num_steps=3) as engine:
+            config = engine.scheduler.worker.algorithm.config
+            assert Path(config.draft_model_path).name == expected
+            assert Path(config.token_map).parent.name == "2" * 40
+            assert engine.generate(input_ids=prompt, sampling_params=greedy)["output_ids"] == \
+                hf_greedy(tiny_llama(), prompt, 12)
+    with pytest.raises(FileNotFoundError, match="--speculative-draft-model-path srv-test/eagle: .*revision v9"):
+        srv.Engine(model_path=str(srv_tiny_model_dir), dtype="float32", download_dir=str(cache),
+                   speculative_algorithm="EAGLE", speculative_draft_model_path="srv-test/eagle",
+                   speculative_draft_model_revision="v9")
+
+
+def test_head_rows_read_a_head_without_a_dense_weight_off_its_products():
+    from srv.engine.speculative import head_rows
+
+    linear = torch.nn.Linear(300, 50, bias=False)
+    class Quantized(torch.nn.Module):   # a head whose weights are not a dense `weight`
+        def forward(self, x):
+            return linear(x)
+    ids = torch.tensor([49, 3, 17])
+    expected = linear.weight[ids].detach()
+    assert torch.equal(head_rows(linear, ids, 300, torch.float32), expected)
+    assert torch.equal(head_rows(Quantized(), ids, 300, torch.float32), expected)

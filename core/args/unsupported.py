@@ -44,8 +44,6 @@ NOT_SUPPORTED_YET = frozenset({
     "--fp8-gemm-backend",
     "--disable-flashinfer-autotune",
     # Speculative decoding
-    "--speculative-draft-model-revision",
-    "--speculative-token-map",
     "--speculative-moe-runner-backend",
     "--speculative-moe-a2a-backend",
     # MoE

@@ -51,18 +51,20 @@ def served_dtype(name: str, method: QuantizationMethod | None = None, embedding:
     return torch.bfloat16 if native else torch.float32
 
 
-def local_model_path(name: str, revision: str | None = None, download_dir: str | None = None) -> Path:
-    """--model-path on this machine: a file or folder as given, else a Hugging Face repository id
-    found in the local hub cache (--download-dir, else the hub's own) at --revision (default: its
-    main branch). srv never downloads: what is not on disk is an error."""
+def local_model_path(name: str, revision: str | None = None, download_dir: str | None = None,
+                     flag: str = "--model-path", revision_flag: str = "--revision") -> Path:
+    """A model's path on this machine (`flag`: --model-path, or a draft model's): a file or folder
+    as given, else a Hugging Face repository id found in the local hub cache (--download-dir,
+    else the hub's own) at `revision` (`revision_flag`; default: its main branch). srv never
+    downloads: what is not on disk is an error."""
     path = Path(name)
     if path.exists():
         if revision is not None:
-            raise ValueError(f"--revision {revision} names a version of a Hugging Face repository; "
-                             f"--model-path {name} is a local path")
+            raise ValueError(f"{revision_flag} {revision} names a version of a Hugging Face repository; "
+                             f"{flag} {name} is a local path")
         return path
     if not REPO_ID.fullmatch(name):
-        raise FileNotFoundError(f"--model-path {name} does not exist (srv never downloads weights)")
+        raise FileNotFoundError(f"{flag} {name} does not exist (srv never downloads weights)")
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
@@ -70,7 +72,7 @@ def local_model_path(name: str, revision: str | None = None, download_dir: str |
         return Path(snapshot_download(name, revision=revision, cache_dir=download_dir, local_files_only=True))
     except (LocalEntryNotFoundError, FileNotFoundError, ValueError):
         where = download_dir or "the Hugging Face cache"
-        raise FileNotFoundError(f"--model-path {name}: no such folder, and {where} has no copy of that repository"
+        raise FileNotFoundError(f"{flag} {name}: no such folder, and {where} has no copy of that repository"
                                 f" at revision {revision or 'main'} (srv never downloads weights)") from None
 
 

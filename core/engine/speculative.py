@@ -5,16 +5,18 @@ load through `SpeculativeContext.load_draft_model`."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 from argparse import Namespace
 from collections import OrderedDict
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
 
 from srv.backend_registry import BackendRegistry
 from srv.engine.memory import PagedSlotAllocator
-from srv.engine.model_runner import ModelRunner
+from srv.engine.model_runner import REPO_ID, ModelRunner, local_model_path
 from srv.engine.request import Req
 from srv.engine.worker import BatchResult, EmbeddingWorker, ScheduledReq, Worker
 from srv.sdk.attention import ForwardMode
@@ -36,6 +38,10 @@ def make_worker(args: Namespace, runner: ModelRunner, registry: BackendRegistry,
     registration = registry.choose("speculative_algorithm", args.speculative_algorithm)
     factory = registration.load_factory()
     config = SpeculativeConfig.from_args(args, getattr(factory, "default_num_draft_tokens", 4))
+    if config.token_map and not getattr(factory, "reads_token_map", False):
+        raise ValueError(f"--speculative-token-map: {registration.name} reads no token map (it narrows the "
+                         "drafts of a head that drafts over the target's vocabulary, as EAGLE's does)")
+    config = dataclasses.replace(config, **local_draft_paths(args, config))
     capacity = int(getattr(args, "max_total_tokens", None) or 0) or None
 
     def load_draft_model(path: str) -> DraftModel:
@@ -48,14 +54,61 @@ def make_worker(args: Namespace, runner: ModelRunner, registry: BackendRegistry,
     def target_embed(ids: torch.Tensor) -> torch.Tensor:
         return runner.model.embed_tokens(ids).float()
 
+    def target_head_rows(ids: torch.Tensor) -> torch.Tensor:
+        return head_rows(runner.model.lm_head, ids, runner.config.hidden_size, runner.dtype)
+
     context = SpeculativeContext(config, runner.config.vocab_size, args, load_draft_model, runner.config,
-                                 target_embed, target_head)
+                                 target_embed, target_head, target_head_rows)
     algorithm = factory(context)
     if config.eagle_topk > 1 and not algorithm.supports_trees:
         raise ValueError(f"--speculative-eagle-topk {config.eagle_topk}: {registration.name} drafts chains "
                          "(--speculative-eagle-topk 1)")
     logger.info("speculative decoding: %s, up to %d drafts a step", registration.name, config.max_drafts)
     return SpeculativeWorker(runner, req_pool, eos_ids, fail, crash_on_nan, stats, algorithm, config)
+
+
+def local_draft_paths(args: Namespace, config: SpeculativeConfig) -> dict[str, str]:
+    """--speculative-draft-model-path and --speculative-token-map on this machine: a path as
+    given, else found in the local Hugging Face cache (a repository id at
+    --speculative-draft-model-revision; a token map's `org/name/file`), never downloaded."""
+    paths = {}
+    if config.draft_model_path:
+        paths["draft_model_path"] = str(local_model_path(
+            config.draft_model_path, args.speculative_draft_model_revision, args.download_dir,
+            flag="--speculative-draft-model-path", revision_flag="--speculative-draft-model-revision"))
+    elif args.speculative_draft_model_revision:
+        raise ValueError("--speculative-draft-model-revision names a version of the draft model: "
+                         "--speculative-draft-model-path is unset")
+    if config.token_map and not Path(config.token_map).exists():
+        repo, _, file = config.token_map.rpartition("/")
+        if not REPO_ID.fullmatch(repo):
+            raise FileNotFoundError(f"--speculative-token-map {config.token_map} does not exist")
+        from huggingface_hub import hf_hub_download
+        from huggingface_hub.errors import LocalEntryNotFoundError
+
+        try:
+            paths["token_map"] = hf_hub_download(repo, file, cache_dir=args.download_dir, local_files_only=True)
+        except (LocalEntryNotFoundError, FileNotFoundError, ValueError):
+            where = args.download_dir or "the Hugging Face cache"
+            raise FileNotFoundError(f"--speculative-token-map {config.token_map}: no such file, and {where} has "
+                                    f"no copy of {file} in {repo} (srv never downloads)") from None
+    return paths
+
+
+def head_rows(head: torch.nn.Module, ids: torch.Tensor, hidden_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """The rows of a head's weight at vocabulary ids, float32 [len(ids), hidden]: its dense
+    weight where it has one, else read off its products with unit vectors (a quantized head's
+    weights as it computes them)."""
+    weight = getattr(head, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.is_floating_point() and weight.dim() == 2 \
+            and weight.shape[1] == hidden_size and not weight.is_meta:
+        return weight[ids].float()
+    rows = torch.empty(len(ids), hidden_size)
+    with torch.inference_mode():
+        for start in range(0, hidden_size, 256):   # a few unit vectors at a time: [256, vocab] at most
+            units = torch.eye(hidden_size, dtype=dtype)[start:start + 256]
+            rows[:, start:start + len(units)] = head(units).float()[:, ids].T
+    return rows
 
 
 class SpeculativeWorker(Worker):
@@ -122,6 +175,7 @@ class EngineDraftModel(DraftModel):
         draft_args = copy.copy(args)
         draft_args.model_path, draft_args.quantization, draft_args.max_total_tokens = path, None, capacity_tokens
         draft_args.json_model_override_args = None
+        draft_args.revision = None   # --revision is the target's; the draft's path is resolved already
         self.runner = ModelRunner(draft_args, registry)
         self.vocab_size = self.runner.config.vocab_size
         self.allocator = PagedSlotAllocator(capacity_tokens + 1, 1)

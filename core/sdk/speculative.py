@@ -51,7 +51,7 @@ class SpeculativeConfig:
     num_steps: int
     eagle_topk: int = 1
     draft_model_path: str | None = None
-    token_map: str | None = None
+    token_map: str | None = None     # a file of the vocabulary ids a head drafts over (FR-Spec's frequent tokens)
     accept_threshold_single: float = 1.0
     accept_threshold_acc: float = 1.0
     attention_mode: str = "prefill"
@@ -118,7 +118,12 @@ class SpeculativeContext:
     """What an algorithm's factory is handed: the config, the target's vocabulary size, a loader
     for draft models (built like the target: same dtype, loaders and model plugins), the target's
     config (`srv.sdk.models.ModelConfig`), and its embedding and head, for draft heads that share
-    them (ids [N] -> float32 [N, hidden]; float32 hidden [N, hidden] -> logits [N, vocab])."""
+    them (ids [N] -> float32 [N, hidden]; float32 hidden [N, hidden] -> logits [N, vocab]), and
+    the head's weight rows at given vocabulary ids (ids [N] -> float32 [N, hidden]), for a head
+    that drafts over part of the vocabulary (--speculative-token-map).
+
+    `config.draft_model_path` and `config.token_map` are paths on this machine (a repository
+    id on the command line is resolved in the local Hugging Face cache before)."""
 
     config: SpeculativeConfig
     vocab_size: int
@@ -127,6 +132,7 @@ class SpeculativeContext:
     target_config: Any = None
     target_embed: Any = None
     target_head: Any = None
+    target_head_rows: Any = None
 
     def load_draft_model(self, path: str) -> DraftModel:
         if self.draft_model_loader is None:
@@ -148,6 +154,8 @@ class SpeculativeAlgorithm(ABC):
     capture_layers: tuple[int, ...] = ()
     #: Whether `propose` may answer DraftTrees (--speculative-eagle-topk above 1 needs it).
     supports_trees: bool = False
+    #: Whether the algorithm reads --speculative-token-map (srv refuses the flag otherwise).
+    reads_token_map: bool = False
 
     def __init__(self, context: SpeculativeContext) -> None:
         self.context = context

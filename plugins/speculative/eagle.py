@@ -13,6 +13,11 @@ checkpoints are those the EAGLE authors and SGLang publish: config.json and safe
 `fc.*` and `layers.0.*` (EAGLE) or `midlayer.*`, `norm`, `lm_head`, `d2t` (EAGLE3). NEXTN is
 SGLang's alias of EAGLE.
 
+--speculative-token-map narrows EAGLE's drafts to a list of frequent tokens (FR-Spec: a torch
+file of vocabulary ids, as SGLang reads it): the head's logits are computed over those rows of
+the target's head only, which makes each draft's head product that much smaller. An EAGLE3 head
+has its own draft vocabulary and reads no token map.
+
 The head keeps each request's keys and values (its draft positions) in its own cache; positions
 the target served from the prefix cache have no hidden states, so the head's context starts at
 the first position the target computed for the request.
@@ -130,12 +135,13 @@ class EagleHead(nn.Module):
             self.fc = nn.Linear(2 * hidden, hidden, bias=bool(config.get("bias", True)))
             self.layers = nn.ModuleList([DraftLayer(config, hidden, eagle3=False)])
         self.embed_tokens: nn.Embedding | None = None   # from the checkpoint, else the target's
+        self.vocab_ids: torch.Tensor | None = None   # EAGLE's with a token map: the target id of each logit
 
     def layer(self) -> DraftLayer:
         return self.midlayer if self.eagle3 else self.layers[0]
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-                cache: list[torch.Tensor], target_head: Any) -> tuple[torch.Tensor, torch.Tensor]:
+                cache: list[torch.Tensor], logits_head: Any) -> tuple[torch.Tensor, torch.Tensor]:
         layer = self.layer()
         if self.eagle3:
             if hidden.shape[-1] != self.hidden_size:   # the target's layers, side by side
@@ -150,10 +156,32 @@ class EagleHead(nn.Module):
         out = residual + layer.mlp_forward(layer.post_attention_layernorm(residual))
         if self.eagle3:
             return self.lm_head(self.norm(out)), out
-        return target_head(out), out
+        return logits_head(out), out
 
     def target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        return draft_ids + self.d2t[draft_ids] if self.eagle3 else draft_ids
+        if self.eagle3:
+            return draft_ids + self.d2t[draft_ids]
+        return draft_ids if self.vocab_ids is None else self.vocab_ids[draft_ids]
+
+
+def load_token_map(path: str, vocab_size: int) -> torch.Tensor:
+    """--speculative-token-map's vocabulary ids (int64 [N]): a torch file of a 1-D tensor or a
+    list of distinct ids, as SGLang reads it."""
+    flag = f"--speculative-token-map {path}"
+    try:
+        ids = torch.as_tensor(torch.load(path, map_location="cpu", weights_only=True))
+    except Exception as e:
+        raise ValueError(f"{flag}: not a torch file of token ids ({type(e).__name__}: {e})") from None
+    if ids.dim() != 1 or ids.numel() == 0 or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise ValueError(f"{flag}: expected a non-empty 1-D list of integer token ids, found "
+                         f"{ids.dtype} of shape {tuple(ids.shape)}")
+    ids = ids.to(torch.int64)
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+        raise ValueError(f"{flag}: ids must lie in the target's vocabulary [0, {vocab_size}); "
+                         f"found {int(ids.min())}..{int(ids.max())}")
+    if len(ids.unique()) != len(ids):
+        raise ValueError(f"{flag}: an id appears more than once")
+    return ids
 
 
 def load_head(path: Path, eagle3: bool, target_config: Any, aux_count: int) -> EagleHead:
@@ -195,6 +223,7 @@ class EagleAlgorithm(SpeculativeAlgorithm):
     default_num_draft_tokens = 4
     eagle3 = False
     supports_trees = True
+    reads_token_map = True
 
     def __init__(self, context: SpeculativeContext) -> None:
         super().__init__(context)
@@ -205,7 +234,11 @@ class EagleAlgorithm(SpeculativeAlgorithm):
         self.capture_layers = self.aux_layers(target)
         self.head = load_head(Path(self.config.draft_model_path), self.eagle3, target, len(self.capture_layers))
         self.embed = self.head.embed_tokens or context.target_embed
-        self.target_head = context.target_head
+        self.logits_head = context.target_head   # hidden -> logits over the drafted vocabulary
+        if self.config.token_map:
+            ids = load_token_map(self.config.token_map, context.vocab_size)
+            rows = context.target_head_rows(ids).contiguous()
+            self.head.vocab_ids, self.logits_head = ids, lambda hidden: hidden.float() @ rows.T
         self.steps = min(self.config.num_steps, self.config.max_drafts)
         # rid -> the target's hidden states by position (verified tokens), the first position the
         # head's cache holds, how many it holds computed from the target's hidden states, and
@@ -251,7 +284,7 @@ class EagleAlgorithm(SpeculativeAlgorithm):
             return []
         hidden = torch.stack([known.pop(p) for p in todo]).float()
         ids = torch.tensor(tokens[done + 1: last + 2])
-        logits, out = self.head(self.embed(ids), hidden, torch.tensor(todo), cache, self.target_head)
+        logits, out = self.head(self.embed(ids), hidden, torch.tensor(todo), cache, self.logits_head)
         self.computed[rid] += len(todo)
         if self.config.eagle_topk > 1:
             return self._tree(logits[-1], out[-1:], cache, last, budget)
@@ -259,7 +292,7 @@ class EagleAlgorithm(SpeculativeAlgorithm):
         state = out[-1:]
         for step in range(1, min(budget, self.steps)):
             position = torch.tensor([last + step])
-            logits, state = self.head(self.embed(torch.tensor(drafts[-1:])), state, position, cache, self.target_head)
+            logits, state = self.head(self.embed(torch.tensor(drafts[-1:])), state, position, cache, self.logits_head)
             drafts.append(int(self.head.target_ids(logits[-1].argmax())))
         return drafts
 
@@ -286,7 +319,7 @@ class EagleAlgorithm(SpeculativeAlgorithm):
             for node, node_state, parent_cache in frontier:
                 own = [parent_cache[0].clone(), parent_cache[1].clone()]
                 logits, out = self.head(self.embed(torch.tensor([tokens[node]])), node_state,
-                                        torch.tensor([last + depths[node]]), own, self.target_head)
+                                        torch.tensor([last + depths[node]]), own, self.logits_head)
                 top = torch.log_softmax(logits[-1].float(), -1).topk(k)
                 candidates += [(scores[node] + value, node, index, out[-1:], own)
                                for value, index in zip(top.values.tolist(), top.indices)]
@@ -303,6 +336,7 @@ class Eagle3Algorithm(EagleAlgorithm):
     """EAGLE3: the head combines three of the target's layers' hidden states."""
 
     eagle3 = True
+    reads_token_map = False   # its head drafts over its own vocabulary (d2t)
 
     def aux_layers(self, target: Any) -> tuple[int, ...]:
         config = json.loads((Path(self.config.draft_model_path) / "config.json").read_text())
