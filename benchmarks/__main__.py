@@ -3,8 +3,8 @@
     python -m benchmarks                      # BENCH_REPEATS (default 3) repetitions
     BENCH_QUICK=1 python -m benchmarks        # one repetition, one wave of prompts: checks the harness
     python -m benchmarks --report-only        # rewrite BENCHMARKS.md and the plot from results.json
-    python -m benchmarks --only c16,c16-int8 --report /tmp/b.md --results /tmp/b.json --plot /tmp/b.png
-                                              # some workloads, into a report of their own
+    python -m benchmarks --only c16,c16-int8  # some workloads, into a report of their own
+                                              # ($TMPDIR/srv-bench-only unless --report/--results/--plot)
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import argparse
 import logging
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 from benchmarks.engine import REPO
@@ -20,6 +21,12 @@ from benchmarks.plot import plot_throughput
 from benchmarks.report import write_report
 from benchmarks.results import BenchResults
 from benchmarks.runner import ENGINES, BenchOptions, run_bench
+
+
+# A partial run (--only) must not overwrite the full run's files, which the repository keeps.
+FULL_OUTPUTS = {"report": REPO / "BENCHMARKS.md", "results": REPO / "benchmarks" / "results.json",
+                "plot": REPO / "benchmarks" / "throughput.png"}
+ONLY_DIR = Path(tempfile.gettempdir()) / "srv-bench-only"
 
 
 def _truthy(value: str | None) -> bool:
@@ -34,16 +41,20 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="1 repetition with one wave of prompts per point (env BENCH_QUICK=1)")
     parser.add_argument("--engines", default=",".join(ENGINES),
                         help=f"comma-separated subset of {', '.join(ENGINES)}")
-    parser.add_argument("--report", type=Path, default=REPO / "BENCHMARKS.md", help="the report to write")
-    parser.add_argument("--results", type=Path, default=REPO / "benchmarks" / "results.json",
-                        help="the raw results (JSON)")
-    parser.add_argument("--plot", type=Path, default=REPO / "benchmarks" / "throughput.png", help="the PNG plot")
+    parser.add_argument("--report", type=Path, help="the report to write (default BENCHMARKS.md)")
+    parser.add_argument("--results", type=Path, help="the raw results (JSON; default benchmarks/results.json)")
+    parser.add_argument("--plot", type=Path, help="the PNG plot (default benchmarks/throughput.png)")
     parser.add_argument("--only", default="", help="comma-separated workload names: run just these "
-                        "(and no grammar mask cost); write them elsewhere than the full report")
+                        "(and no grammar mask cost); the report, results and plot then default to "
+                        f"{ONLY_DIR}, never the repository's full report")
     parser.add_argument("--report-only", action="store_true", help="no measurement: rewrite from --results")
     args = parser.parse_args(argv)
     args.engines = tuple(e for e in args.engines.split(",") if e)
     args.only = tuple(w for w in args.only.split(",") if w)
+    defaults = FULL_OUTPUTS if not args.only else {name: ONLY_DIR / path.name for name, path in FULL_OUTPUTS.items()}
+    for name, path in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, path)
     unknown = set(args.engines) - set(ENGINES)
     if unknown or "srv" not in args.engines:
         parser.error(f"--engines must include srv and name only {', '.join(ENGINES)}")
@@ -58,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     logging.getLogger("httpx").setLevel(logging.WARNING)   # not one line per poll
+    for path in (args.report, args.results, args.plot):
+        path.parent.mkdir(parents=True, exist_ok=True)
     if args.report_only:
         results = BenchResults.load(args.results)
     else:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -238,3 +239,14 @@ def test_the_runs_table_names_adapters_without_their_folders(tmp_path):
     engine.adapters = [engine.adapter_folder / "a0", engine.adapter_folder / "a1"]
     flags = ("--max-loras-per-batch", "4", "--lora-paths", *(f"{p.name}={p}" for p in engine.adapters))
     assert engine.config(flags) == "--max-loras-per-batch 4 --lora-paths a0 a1"
+
+
+def test_a_partial_run_never_writes_over_the_full_reports_files():
+    from benchmarks.__main__ import FULL_OUTPUTS, ONLY_DIR, parse_args
+
+    full = parse_args([])
+    assert (full.report, full.results, full.plot) == tuple(FULL_OUTPUTS.values())
+    partial = parse_args(["--only", "c16", "--report", "/tmp/x.md"])
+    assert partial.report == Path("/tmp/x.md")
+    assert partial.results.parent == partial.plot.parent == ONLY_DIR
+    assert not {partial.results, partial.plot} & set(FULL_OUTPUTS.values())
