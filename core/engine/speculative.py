@@ -106,8 +106,10 @@ def head_rows(head: torch.nn.Module, ids: torch.Tensor, hidden_size: int, dtype:
     rows = torch.empty(len(ids), hidden_size)
     with torch.inference_mode():
         for start in range(0, hidden_size, 256):   # a few unit vectors at a time: [256, vocab] at most
-            units = torch.eye(hidden_size, dtype=dtype)[start:start + 256]
-            rows[:, start:start + len(units)] = head(units).float()[:, ids].T
+            count = min(256, hidden_size - start)
+            units = torch.zeros(count, hidden_size, dtype=dtype)
+            units[torch.arange(count), start + torch.arange(count)] = 1
+            rows[:, start:start + count] = head(units).float()[:, ids].T
     return rows
 
 

@@ -135,7 +135,9 @@ class EagleHead(nn.Module):
             self.fc = nn.Linear(2 * hidden, hidden, bias=bool(config.get("bias", True)))
             self.layers = nn.ModuleList([DraftLayer(config, hidden, eagle3=False)])
         self.embed_tokens: nn.Embedding | None = None   # from the checkpoint, else the target's
-        self.vocab_ids: torch.Tensor | None = None   # EAGLE's with a token map: the target id of each logit
+        # The target id of each logit where the head drafts over part of the target's vocabulary
+        # (EAGLE3's draft vocabulary, EAGLE's token map); None: the whole vocabulary, in order.
+        self.vocab_ids: torch.Tensor | None = None
 
     def layer(self) -> DraftLayer:
         return self.midlayer if self.eagle3 else self.layers[0]
@@ -159,8 +161,6 @@ class EagleHead(nn.Module):
         return logits_head(out), out
 
     def target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        if self.eagle3:
-            return draft_ids + self.d2t[draft_ids]
         return draft_ids if self.vocab_ids is None else self.vocab_ids[draft_ids]
 
 
@@ -214,6 +214,8 @@ def load_head(path: Path, eagle3: bool, target_config: Any, aux_count: int) -> E
             params[name].data = tensor.to(params[name].dtype)
         else:
             raise ValueError(f"{path}: unexpected tensor {name}")
+    if eagle3:   # d2t holds each draft id's offset to its target id
+        head.vocab_ids = torch.arange(len(head.d2t)) + head.d2t
     return head.float().eval()
 
 
