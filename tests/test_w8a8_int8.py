@@ -47,18 +47,38 @@ def test_every_kernel_gives_the_reference_bits(isa, in_features):
     """Each instruction set's kernel, at every row count (both sides of the oneDNN switch), equals
     the arithmetic in torch to the bit, tails of the 32- and 64-byte loops included."""
     generator = torch.Generator().manual_seed(0)
-    weight = torch.randn(72, in_features, generator=generator)
+    out_features = 73   # odd, and not a whole number of the AVX2 tiles' 16 channels
+    weight = torch.randn(out_features, in_features, generator=generator)
     q, scale = quantize_weight(weight)
-    for bias in (None, torch.randn(72, generator=generator)):
+    for bias in (None, torch.randn(out_features, generator=generator)):
         int8 = Int8Weight(q, scale, bias, isa)
-        for rows in (1, 3, 5, 11, 12, 40):
+        # Rows on both sides of the tiled AVX2 product's start, and blocks of 64 with remainders.
+        for rows in (1, 3, 5, 7, 8, 11, 12, 40, 67, 130):
             x = torch.randn(rows, in_features, generator=generator) * 3
             x[0, :7] = 0.0
             expected = reference_product(x, q, scale, bias)
             assert torch.equal(int8.matmul(x), expected), (isa, rows, bias is not None)
-            y = torch.empty(rows, 72)
+            y = torch.empty(rows, out_features)
             kernels().srv_int8_linear(ctypes.addressof(int8.context), x.data_ptr(), rows, y.data_ptr())
             assert torch.equal(y, expected), (isa, rows, "kernel")
+
+
+@pytest.mark.parametrize("isa", runnable_isas())
+@pytest.mark.parametrize("in_features", [5, 64, 100])
+def test_row_quantization_is_the_same_on_every_kernel(isa, in_features):
+    """The vector quantization of activations gives the portable loop's bytes and scales, ties
+    rounded half to even, the clamp and the all-zero row included."""
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(9, in_features, generator=generator) * 5
+    x[1] = 0.0
+    x[2, 0] = -1000.0   # every other value of that row rounds to 0 or +-1
+    x[3, :] = torch.arange(in_features) * 0.5 - in_features / 4   # ties at .5 steps
+    x[3, 0] = 127.0
+    q, scale = w8a8_int8.quantize_rows(x, isa)
+    reference_q, reference_scale = w8a8_int8.quantize_rows(x, "portable")
+    assert torch.equal(q, reference_q) and torch.equal(scale, reference_scale)
+    sx = x.abs().amax(-1).clamp_min(1e-10) / 127
+    assert torch.equal(scale, sx) and torch.equal(q, torch.round(x / sx[:, None]).clamp(-127, 127).to(torch.int8))
 
 
 def test_a_zero_row_quantizes_without_dividing_by_zero():

@@ -21,6 +21,7 @@
 
 #include <immintrin.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -36,23 +37,61 @@ typedef struct {
 /* Rows of activations the AVX2 and VNNI loops keep in registers at once. */
 #define ROW_GROUP 4
 
-/* q [rows][k] and scales [rows] of x [rows][k], as above. */
-void srv_int8_quantize_rows(const float *x, int64_t rows, int64_t k, int8_t *q, float *scales) {
+static float row_scale(float largest) { return (largest > 1e-10f ? largest : 1e-10f) / 127.0f; }
+
+static void quantize_row_portable(const float *row, int64_t k, int8_t *q, float *scale) {
+    float largest = 0.0f;
+    for (int64_t i = 0; i < k; i++) {
+        float a = fabsf(row[i]);
+        largest = a > largest ? a : largest;
+    }
+    const float s = row_scale(largest);
+    *scale = s;
+    for (int64_t i = 0; i < k; i++) {
+        float v = nearbyintf(row[i] / s);
+        v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
+        q[i] = (int8_t)v;
+    }
+}
+
+/* The same operations eight at a time: IEEE division, rounding half to even (the current
+ * rounding mode, as nearbyintf), the same clamp; the tail as above. */
+__attribute__((target("avx2,fma")))
+static void quantize_row_avx2(const float *row, int64_t k, int8_t *q, float *scale) {
+    const int64_t body = k - k % 8;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 largest8 = _mm256_setzero_ps();
+    for (int64_t i = 0; i < body; i += 8) largest8 = _mm256_max_ps(largest8, _mm256_andnot_ps(sign, _mm256_loadu_ps(row + i)));
+    float lanes[8];
+    _mm256_storeu_ps(lanes, largest8);
+    float largest = 0.0f;
+    for (int j = 0; j < 8; j++) largest = lanes[j] > largest ? lanes[j] : largest;
+    for (int64_t i = body; i < k; i++) {
+        float a = fabsf(row[i]);
+        largest = a > largest ? a : largest;
+    }
+    const float s = row_scale(largest);
+    *scale = s;
+    const __m256 s8 = _mm256_set1_ps(s), high = _mm256_set1_ps(127.0f), low = _mm256_set1_ps(-127.0f);
+    for (int64_t i = 0; i < body; i += 8) {
+        __m256 v = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(row + i), s8), _MM_FROUND_CUR_DIRECTION);
+        const __m256i n = _mm256_cvtps_epi32(_mm256_max_ps(_mm256_min_ps(v, high), low));
+        const __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(n), _mm256_extracti128_si256(n, 1));
+        _mm_storel_epi64((__m128i *)(q + i), _mm_packs_epi16(words, words));
+    }
+    for (int64_t i = body; i < k; i++) {
+        float v = nearbyintf(row[i] / s);
+        v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
+        q[i] = (int8_t)v;
+    }
+}
+
+/* q [rows][k] and scales [rows] of x [rows][k], as above; isa as Int8Linear's. */
+void srv_int8_quantize_rows(const float *x, int64_t rows, int64_t k, int8_t *q, float *scales, int64_t isa) {
     #pragma omp parallel for schedule(static) if (rows * k >= 65536)
     for (int64_t m = 0; m < rows; m++) {
-        const float *row = x + m * k;
-        float largest = 0.0f;
-        for (int64_t i = 0; i < k; i++) {
-            float a = fabsf(row[i]);
-            largest = a > largest ? a : largest;
-        }
-        float scale = (largest > 1e-10f ? largest : 1e-10f) / 127.0f;
-        scales[m] = scale;
-        for (int64_t i = 0; i < k; i++) {
-            float v = nearbyintf(row[i] / scale);
-            v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
-            q[m * k + i] = (int8_t)v;
-        }
+        if (isa >= 1) quantize_row_avx2(x + m * k, k, q + m * k, scales + m);
+        else quantize_row_portable(x + m * k, k, q + m * k, scales + m);
     }
 }
 
@@ -97,6 +136,88 @@ static void dot_avx2(const Int8Linear *c, const int8_t *q, int64_t rows, int64_t
             const int8_t *qr = q + (m0 + g) * k;
             for (int64_t i = body; i < k; i++) s += (int32_t)qr[i] * (int32_t)w[i];
             acc[m0 + g] = s;
+        }
+    }
+}
+
+/* Rows from which the AVX2 product runs in tiles (gemm_avx2); fewer take dot_avx2, which reads
+ * each weight once for all rows (a decode step, bound by the weight bytes). */
+#define TILED_ROWS 8
+/* The tiles of gemm_avx2: output channels, rows computed at once, rows of a block. */
+#define TILE_COLUMNS 16
+#define TILE_ROWS 4
+#define ROW_BLOCK 64
+
+/* Four rows of q by two weight rows: the eight int32 sums of their products over the body of k
+ * (a multiple of 32). Rows and columns past the edge point at the last real ones; their sums are
+ * computed and not stored. */
+__attribute__((target("avx2,fma")))
+static inline void tile_4x2_avx2(const int8_t *const q[TILE_ROWS], const int8_t *w0, const int8_t *w1, int64_t body,
+                                 int32_t out[TILE_ROWS][2]) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i s00 = _mm256_setzero_si256(), s01 = _mm256_setzero_si256(), s10 = _mm256_setzero_si256(),
+            s11 = _mm256_setzero_si256(), s20 = _mm256_setzero_si256(), s21 = _mm256_setzero_si256(),
+            s30 = _mm256_setzero_si256(), s31 = _mm256_setzero_si256();
+    for (int64_t i = 0; i < body; i += 32) {
+        const __m256i a = _mm256_loadu_si256((const __m256i *)(w0 + i));
+        const __m256i b = _mm256_loadu_si256((const __m256i *)(w1 + i));
+        const __m256i ma = _mm256_sign_epi8(a, a), mb = _mm256_sign_epi8(b, b);
+#define SRV_INT8_ROW(r, sa, sb) { \
+            const __m256i x = _mm256_loadu_si256((const __m256i *)(q[r] + i)); \
+            sa = _mm256_add_epi32(sa, _mm256_madd_epi16(_mm256_maddubs_epi16(ma, _mm256_sign_epi8(x, a)), ones)); \
+            sb = _mm256_add_epi32(sb, _mm256_madd_epi16(_mm256_maddubs_epi16(mb, _mm256_sign_epi8(x, b)), ones)); }
+        SRV_INT8_ROW(0, s00, s01)
+        SRV_INT8_ROW(1, s10, s11)
+        SRV_INT8_ROW(2, s20, s21)
+        SRV_INT8_ROW(3, s30, s31)
+#undef SRV_INT8_ROW
+    }
+    /* The eight sums into one vector, in the order of `out`: two rounds of pairwise sums within
+     * each 128-bit half, then the halves added. */
+    const __m256i rows01 = _mm256_hadd_epi32(_mm256_hadd_epi32(s00, s01), _mm256_hadd_epi32(s10, s11));
+    const __m256i rows23 = _mm256_hadd_epi32(_mm256_hadd_epi32(s20, s21), _mm256_hadd_epi32(s30, s31));
+    _mm256_storeu_si256((__m256i *)out, _mm256_add_epi32(_mm256_permute2x128_si256(rows01, rows23, 0x20),
+                                                         _mm256_permute2x128_si256(rows01, rows23, 0x31)));
+}
+
+/* y [rows][N] of q [rows][k] with scales sx, and the same epilogue as srv_int8_linear's. Each
+ * thread takes a run of tiles of TILE_COLUMNS output channels and walks the rows in blocks of
+ * ROW_BLOCK (which stay in L2 while its tiles' weights pass), each block TILE_ROWS at a time
+ * against one tile (whose weights stay in L1). */
+__attribute__((target("avx2,fma")))
+static void gemm_avx2(const Int8Linear *c, const int8_t *q, const float *sx, int64_t rows, float *y) {
+    const int64_t k = c->in_features, n_out = c->out_features, body = k - k % 32;
+    const int64_t tiles = (n_out + TILE_COLUMNS - 1) / TILE_COLUMNS;
+    #pragma omp parallel
+    {
+        const int64_t threads = omp_get_num_threads(), thread = omp_get_thread_num();
+        const int64_t first = tiles * thread / threads, last = tiles * (thread + 1) / threads;
+        for (int64_t b0 = 0; b0 < rows; b0 += ROW_BLOCK) {
+            const int64_t b1 = b0 + ROW_BLOCK < rows ? b0 + ROW_BLOCK : rows;
+            for (int64_t tile = first; tile < last; tile++) {
+                const int64_t n_begin = tile * TILE_COLUMNS;
+                const int64_t n_end = n_begin + TILE_COLUMNS < n_out ? n_begin + TILE_COLUMNS : n_out;
+                for (int64_t m0 = b0; m0 < b1; m0 += TILE_ROWS) {
+                    const int8_t *row[TILE_ROWS];
+                    for (int r = 0; r < TILE_ROWS; r++) row[r] = q + (m0 + r < b1 ? m0 + r : b1 - 1) * k;
+                    for (int64_t n = n_begin; n < n_end; n += 2) {
+                        const int64_t n1 = n + 1 < n_end ? n + 1 : n;
+                        const int8_t *w0 = c->weight + n * k, *w1 = c->weight + n1 * k;
+                        int32_t sums[TILE_ROWS][2];
+                        tile_4x2_avx2(row, w0, w1, body, sums);
+                        for (int r = 0; r < TILE_ROWS && m0 + r < b1; r++) {
+                            for (int j = 0; j < 2 && n + j < n_end; j++) {
+                                const int8_t *w = j ? w1 : w0;
+                                int32_t total = sums[r][j];
+                                for (int64_t i = body; i < k; i++) total += (int32_t)row[r][i] * (int32_t)w[i];
+                                float v = ((float)total * sx[m0 + r]) * c->scale[n + j];
+                                if (c->bias) v += c->bias[n + j];
+                                y[(m0 + r) * n_out + n + j] = v;
+                            }
+                        }
+                    }
+                }
+            }
         }
     }
 }
@@ -152,8 +273,14 @@ void srv_int8_linear(const Int8Linear *c, const float *x, int64_t rows, float *y
     int8_t *q = malloc((size_t)(rows * k) + 64);
     float *sx = malloc(sizeof(float) * (size_t)rows);
     uint8_t *u = c->isa == 2 ? malloc((size_t)(rows * k) + 64) : NULL;
-    srv_int8_quantize_rows(x, rows, k, q, sx);
+    srv_int8_quantize_rows(x, rows, k, q, sx, c->isa);
     if (u) offset_rows(q, rows * k, u);
+    if (c->isa == 1 && rows >= TILED_ROWS) {
+        gemm_avx2(c, q, sx, rows, y);
+        free(q);
+        free(sx);
+        return;
+    }
     #pragma omp parallel
     {
         int32_t *acc = malloc(sizeof(int32_t) * (size_t)rows);

@@ -8,11 +8,12 @@ batch x [M, K] is computed as
     y[m, n] = (int32 sum_k q[m, k] * w[n, k]) * sx[m] * s[n]  (+ bias[n]).
 
 Two ways compute it, to the same bits (int32 sums are exact in any order, the float steps are
-the same operations in the same order): batches under NATIVE_ROWS rows go to the C kernel of
-int8_kernels.c, which reads each weight row once for every activation row (decode steps, bound
-by the weight bytes; AVX512-VNNI or AVX2 by the CPU's flags), and larger batches to torch's
-`_int_mm` (oneDNN's int8 GEMM: AMX-INT8, VNNI or AVX2 where the machine has them), bound by
-arithmetic.
+the same operations in the same order): the C kernels of int8_kernels.c, and torch's `_int_mm`
+(oneDNN's int8 GEMM). Batches under NATIVE_ROWS rows take the C kernel, which reads each weight
+row once for every activation row (decode steps, bound by the weight bytes; AVX512-VNNI or AVX2 by
+the CPU's flags). Larger batches are bound by arithmetic: where the CPU has VNNI (and AMX), they
+go to oneDNN; on AVX2 alone, oneDNN's int8 GEMM is many times slower than float32 (it has no
+AVX2 int8 kernel), and they take the C kernel's tiled AVX2 product.
 
 Checkpoints:
 - SGLang's w8a8_int8 (`quantization_config.quant_method` "w8a8_int8") and compressed-tensors'
@@ -50,6 +51,9 @@ logger = logging.getLogger("srv.quantization")
 # it also saves the Python calls of every product, which outweighs oneDNN's faster GEMM.
 NATIVE_ROWS = 12
 NATIVE_LAYER_ROWS = 32
+# The instruction sets whose batches from NATIVE_ROWS rows go to oneDNN (see above): VNNI's, and
+# the portable one, where no kernel here is fast.
+ONEDNN_ISAS = frozenset({"avx512_vnni", "portable"})
 SMALLEST_SCALE = 1e-10
 ISAS = {"portable": 0, "avx2": 1, "avx512_vnni": 2}
 
@@ -61,7 +65,7 @@ def kernels() -> ctypes.CDLL:
     library = load_c_library(Path(__file__).with_name("int8_kernels.c"))
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     library.srv_int8_linear.argtypes = [pointer, pointer, size, pointer]
-    library.srv_int8_quantize_rows.argtypes = [pointer, size, size, pointer, pointer]
+    library.srv_int8_quantize_rows.argtypes = [pointer, size, size, pointer, pointer, size]
     library.srv_int8_scale_products.argtypes = [pointer, pointer, pointer, size, pointer]
     return library
 
@@ -87,11 +91,12 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(weight / scale[:, None]).clamp_(-127, 127).to(torch.int8), scale
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(x: torch.Tensor, isa: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row symmetric int8 of float32 x [M, K] contiguous: (q [M, K] int8, scale [M]), by
     the kernels' own function (torch's operators give the same values in eight passes)."""
     q, scale = torch.empty(x.shape, dtype=torch.int8), torch.empty(x.shape[0])
-    kernels().srv_int8_quantize_rows(x.data_ptr(), x.shape[0], x.shape[1], q.data_ptr(), scale.data_ptr())
+    kernels().srv_int8_quantize_rows(x.data_ptr(), x.shape[0], x.shape[1], q.data_ptr(), scale.data_ptr(),
+                                     ISAS[isa])
     return q, scale
 
 
@@ -108,15 +113,16 @@ class Int8Weight:
                                          self.scale.data_ptr(), None if self.bias is None else self.bias.data_ptr(),
                                          self.weight_sums.data_ptr())
         self.kernel = NativeKernel.of(kernels().srv_int8_linear, self.context)
+        self.isa = isa
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] float32 contiguous -> [M, N] float32."""
         rows = x.shape[0]
-        if rows < NATIVE_ROWS:
+        if rows < NATIVE_ROWS or self.isa not in ONEDNN_ISAS:
             y = torch.empty(rows, self.out_features)
             kernels().srv_int8_linear(ctypes.addressof(self.context), x.data_ptr(), rows, y.data_ptr())
             return y
-        q, sx = quantize_rows(x)
+        q, sx = quantize_rows(x, self.isa)
         products = torch._int_mm(q, self.q.t())
         y = torch.empty(rows, self.out_features)
         kernels().srv_int8_scale_products(ctypes.addressof(self.context), products.data_ptr(), sx.data_ptr(), rows,
@@ -154,8 +160,9 @@ class Int8LinearMethod(LinearMethod):
         return y.to(x.dtype).view(*x.shape[:-1], layer.out_features)
 
     def native_linear(self, layer: Linear, rows: int, dtype: torch.dtype = torch.float32) -> NativeKernel | None:
-        # Larger batches are faster on oneDNN's GEMM, which the C layers cannot call.
-        return layer.int8.kernel if rows < NATIVE_LAYER_ROWS and dtype == torch.float32 else None
+        # Where oneDNN takes larger batches, they are faster there, and the C layers cannot call it.
+        small = rows < NATIVE_LAYER_ROWS or layer.int8.isa not in ONEDNN_ISAS
+        return layer.int8.kernel if small and dtype == torch.float32 else None
 
 
 class W8A8Int8Quantization(QuantizationMethod):
