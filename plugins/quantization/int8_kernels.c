@@ -39,6 +39,13 @@ typedef struct {
 
 static float row_scale(float largest) { return (largest > 1e-10f ? largest : 1e-10f) / 127.0f; }
 
+/* One value's int8: x / scale rounded half to even (nearbyintf, in the default rounding mode),
+ * clamped to -127..127. */
+static int8_t quantize_value(float x, float scale) {
+    float v = nearbyintf(x / scale);
+    return (int8_t)(v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v));
+}
+
 static void quantize_row_portable(const float *row, int64_t k, int8_t *q, float *scale) {
     float largest = 0.0f;
     for (int64_t i = 0; i < k; i++) {
@@ -47,11 +54,7 @@ static void quantize_row_portable(const float *row, int64_t k, int8_t *q, float 
     }
     const float s = row_scale(largest);
     *scale = s;
-    for (int64_t i = 0; i < k; i++) {
-        float v = nearbyintf(row[i] / s);
-        v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
-        q[i] = (int8_t)v;
-    }
+    for (int64_t i = 0; i < k; i++) q[i] = quantize_value(row[i], s);
 }
 
 /* The same operations eight at a time: IEEE division, rounding half to even (the current
@@ -79,11 +82,7 @@ static void quantize_row_avx2(const float *row, int64_t k, int8_t *q, float *sca
         const __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(n), _mm256_extracti128_si256(n, 1));
         _mm_storel_epi64((__m128i *)(q + i), _mm_packs_epi16(words, words));
     }
-    for (int64_t i = body; i < k; i++) {
-        float v = nearbyintf(row[i] / s);
-        v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
-        q[i] = (int8_t)v;
-    }
+    for (int64_t i = body; i < k; i++) q[i] = quantize_value(row[i], s);
 }
 
 /* q [rows][k] and scales [rows] of x [rows][k], as above; isa as Int8Linear's. */
