@@ -221,7 +221,6 @@ EXPECTED_NOT_SUPPORTED_YET = {
     "--load-watch-interval", "--prefill-round-robin-balance",
     "--mm-attention-backend", "--nsa-prefill",
     "--nsa-decode", "--fp8-gemm-backend", "--disable-flashinfer-autotune",
-    "--speculative-moe-runner-backend", "--speculative-moe-a2a-backend",
     "--flashinfer-mxfp4-moe-precision", "--enable-flashinfer-allreduce-fusion", "--deepep-mode",
 
     "--eplb-algorithm", "--eplb-rebalance-layers-per-chunk", "--eplb-min-rebalancing-utilization-threshold",

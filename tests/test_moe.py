@@ -273,3 +273,22 @@ def test_eplb_rebalances_while_serving_and_keeps_hf_greedy_tokens(tiny_moe_model
         assert all(sorted(set(layer.slot_logical)) == [0, 1, 2, 3] for layer in layers)
     assert_matches_hf(engine, path, prompts, results)
     assert [r["output_ids"] for r in again] == [r["output_ids"] for r in results]
+
+
+def test_a_moe_draft_model_runs_on_the_speculative_moe_runner(tiny_moe_models):
+    """--speculative-moe-runner-backend picks the draft model's runner; the target keeps
+    --moe-runner-backend's, and the output is still the target's greedy output."""
+    path = tiny_moe_models["qwen3_moe"]
+    prompts = random_prompts(3)
+    with srv.Engine(model_path=str(path), dtype="float32", moe_runner_backend="fused_cpu",
+                    speculative_algorithm="STANDALONE", speculative_draft_model_path=str(path),
+                    speculative_moe_runner_backend="torch", speculative_num_draft_tokens=4) as engine:
+        def runners(model):
+            return {type(m.backends.runner).__name__ for m in model.modules() if isinstance(m, FusedMoE)}
+
+        assert runners(engine.runner.model) == {"FusedCPURunner"}
+        assert runners(engine.scheduler.worker.algorithm.draft.runner.model) == {"ReferenceRunner"}
+        results = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+        assert engine.scheduler.stats.spec_accepted_tokens > engine.scheduler.stats.spec_verifies
+        assert_matches_hf(engine, path, prompts, results)
+        assert_all_kv_returned(engine)

@@ -43,9 +43,6 @@ NOT_SUPPORTED_YET = frozenset({
     "--nsa-decode",
     "--fp8-gemm-backend",
     "--disable-flashinfer-autotune",
-    # Speculative decoding
-    "--speculative-moe-runner-backend",
-    "--speculative-moe-a2a-backend",
     # MoE
     "--flashinfer-mxfp4-moe-precision",
     "--enable-flashinfer-allreduce-fusion",

@@ -178,6 +178,10 @@ class EngineDraftModel(DraftModel):
         draft_args.model_path, draft_args.quantization, draft_args.max_total_tokens = path, None, capacity_tokens
         draft_args.json_model_override_args = None
         draft_args.revision = None   # --revision is the target's; the draft's path is resolved already
+        # A draft model's sparse layers run on their own MoE runner and token exchange where the
+        # launch names them, else on the target's.
+        draft_args.moe_runner_backend = args.speculative_moe_runner_backend or args.moe_runner_backend
+        draft_args.moe_a2a_backend = args.speculative_moe_a2a_backend or args.moe_a2a_backend
         self.runner = ModelRunner(draft_args, registry)
         self.vocab_size = self.runner.config.vocab_size
         self.allocator = PagedSlotAllocator(capacity_tokens + 1, 1)
