@@ -223,7 +223,6 @@ EXPECTED_NOT_SUPPORTED_YET = {
     "--nsa-decode", "--fp8-gemm-backend", "--disable-flashinfer-autotune",
     "--flashinfer-mxfp4-moe-precision", "--enable-flashinfer-allreduce-fusion", "--deepep-mode",
 
-    "--eplb-algorithm", "--eplb-rebalance-layers-per-chunk", "--eplb-min-rebalancing-utilization-threshold",
     "--deepep-config",
     "--moe-dense-tp-size", "--max-mamba-cache-size", "--mamba-ssm-dtype", "--mamba-full-memory-ratio",
     "--mamba-scheduler-strategy", "--mamba-track-interval",

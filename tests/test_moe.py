@@ -17,6 +17,8 @@ from srv.args.parser import parse_launch_args
 from srv.plugin_manager import load_plugins
 from srv.sdk.linear import Linear
 from srv.sdk.moe import FusedMoE, MoEBackends, Routing, run_experts_reference, select_experts
+from srv.sdk.testing import EPLBAlgorithmKit
+from srv.sdk.testing.registry import registration
 from srv.sdk.parallel import ParallelContext
 from test_engine import GREEDY, assert_all_kv_returned, assert_matches_hf, random_prompts
 from test_server import AUTH, Server
@@ -103,6 +105,9 @@ def test_a_route_to_another_ranks_expert_adds_nothing():
     (["--moe-runner-backend", "triton"], "triton: SGLang's Triton fused MoE kernels need a GPU"),
     (["--moe-a2a-backend", "deepep"], "deepep: DeepEP's NVLink/RDMA all-to-all kernels need a GPU"),
     (["--tp-size", "2", "--ep-size", "3"], "--ep-size 3 must divide --tensor-parallel-size 2"),
+    (["--eplb-algorithm", "no_such"], "unknown eplb_algorithm backend 'no_such'"),
+    (["--eplb-min-rebalancing-utilization-threshold", "1.5"], "must be in [0.0, 1.0]"),
+    (["--eplb-rebalance-layers-per-chunk", "0"], "--eplb-rebalance-layers-per-chunk must be at least 1"),
 ])
 def test_unusable_moe_flags_fail_at_launch_with_their_reasons(flags, reason, capsys):
     with pytest.raises(SystemExit):
@@ -229,15 +234,33 @@ def test_expert_distribution_routes_refuse_a_dense_model(default_model_dir):
             engine._run(engine.frontend.control("start_expert_distribution_record"))
 
 
-def test_placement_copies_the_busiest_experts_and_spreads_the_load():
-    from srv.engine.expert_location import plan_placement
+class TestDeepSeekBalancerKit(EPLBAlgorithmKit):
+    backend_name = "deepseek"
 
+
+class TestDeepSeekHierarchicalBalancerKit(EPLBAlgorithmKit):
+    backend_name = "deepseek_hierarchical"
+
+
+def test_placement_copies_the_busiest_experts_and_spreads_the_load():
     counts = torch.tensor([[100, 10, 10, 40], [1, 1, 1, 1]])
-    layers = plan_placement(counts, 6, 2)
+    layers = registration("eplb_algorithm", "deepseek").create(None).plan(counts, 6, 2)
     # Expert 0 gets two extra copies (100/3 per copy beats 40), spread over both ranks.
     assert sorted(layers[0]) == [0, 0, 0, 1, 2, 3]
     assert 0 in layers[0][:3] and 0 in layers[0][3:]
     assert sorted(set(layers[1])) == [0, 1, 2, 3] and len(layers[1]) == 6
+
+
+def test_hierarchical_placement_keeps_each_expert_group_on_one_node():
+    counts = torch.arange(16).repeat(2, 1) * 10   # groups of 4 experts, the last the busiest
+    hierarchical = registration("eplb_algorithm", "deepseek_hierarchical").create(None)
+    for row in hierarchical.plan(counts, 24, 4, nodes=2, groups=4):
+        for node in (row[:12], row[12:]):   # two ranks a node, six slots a rank
+            groups = {expert // 4 for expert in node}
+            assert len(groups) == 2 and set(node) == {e for g in groups for e in range(4 * g, 4 * g + 4)}
+        assert {e // 4 for e in row[:12]} in ({0, 3}, {1, 2})   # busiest beside the idlest
+    with pytest.raises(ValueError, match="3 expert groups do not split over 2 nodes"):
+        hierarchical.plan(torch.ones(1, 12), 12, 2, nodes=2, groups=3)
 
 
 @pytest.mark.parametrize("tp,flags", [(1, ["trivial", 3]), (2, ["dump", 2])])
@@ -273,6 +296,31 @@ def test_eplb_rebalances_while_serving_and_keeps_hf_greedy_tokens(tiny_moe_model
         assert all(sorted(set(layer.slot_logical)) == [0, 1, 2, 3] for layer in layers)
     assert_matches_hf(engine, path, prompts, results)
     assert [r["output_ids"] for r in again] == [r["output_ids"] for r in results]
+
+
+def test_eplb_places_a_chunk_of_layers_a_step(tiny_moe_models, monkeypatch):
+    path = tiny_moe_models["mixtral"]
+    prompts = random_prompts(4)
+    with srv.Engine(model_path=str(path), dtype="float32", enable_eplb=True, eplb_rebalance_num_iterations=2,
+                    ep_num_redundant_experts=2, eplb_rebalance_layers_per_chunk=1,
+                    eplb_algorithm="deepseek_hierarchical") as engine:
+        placed, place = [], engine.runner.set_expert_placement
+        monkeypatch.setattr(engine.runner, "set_expert_placement", lambda rows: (placed.append(sorted(rows)),
+                                                                                place(rows)))
+        results = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+        layers = len(engine.runner.model.layers)
+    assert len(placed) >= layers and all(len(rows) == 1 for rows in placed)
+    assert [rows[0] for rows in placed[:layers]] == list(range(layers))
+    assert_matches_hf(engine, path, prompts, results)
+
+
+def test_eplb_keeps_a_placement_whose_ranks_are_busy_enough(tiny_moe_models):
+    # One rank is always fully used (utilization 1.0): above any threshold under 1.0.
+    with srv.Engine(model_path=str(tiny_moe_models["mixtral"]), dtype="float32", enable_eplb=True,
+                    eplb_rebalance_num_iterations=2, ep_num_redundant_experts=2,
+                    eplb_min_rebalancing_utilization_threshold=0.9) as engine:
+        engine.generate(input_ids=random_prompts(2), sampling_params=GREEDY)
+        assert all(layer.mlp.experts.slot_logical == [0, 1, 2, 3, 0, 1] for layer in engine.runner.model.layers)
 
 
 def test_a_moe_draft_model_runs_on_the_speculative_moe_runner(tiny_moe_models):

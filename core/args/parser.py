@@ -225,6 +225,11 @@ def parallel_refusals(args: argparse.Namespace) -> list[str]:
     if ep < 1 or tp % ep:
         refused.append(f"--ep-size {ep} must divide --tensor-parallel-size {tp}: each group of "
                        f"--tensor-parallel-size / --ep-size ranks holds a share of the experts")
+    if not 0.0 <= args.eplb_min_rebalancing_utilization_threshold <= 1.0:
+        refused.append(f"--eplb-min-rebalancing-utilization-threshold {args.eplb_min_rebalancing_utilization_threshold} "
+                       "must be in [0.0, 1.0]")
+    if args.eplb_rebalance_layers_per_chunk is not None and args.eplb_rebalance_layers_per_chunk < 1:
+        refused.append("--eplb-rebalance-layers-per-chunk must be at least 1")
     if args.ep_dispatch_algorithm not in (None, "static"):
         refused.append(f"--ep-dispatch-algorithm {args.ep_dispatch_algorithm}: srv sends a route to a replicated "
                        "expert's copy by the token's row (static); dynamic dispatch is not supported yet")

@@ -47,9 +47,6 @@ NOT_SUPPORTED_YET = frozenset({
     "--flashinfer-mxfp4-moe-precision",
     "--enable-flashinfer-allreduce-fusion",
     "--deepep-mode",
-    "--eplb-algorithm",
-    "--eplb-rebalance-layers-per-chunk",
-    "--eplb-min-rebalancing-utilization-threshold",
     "--deepep-config",
     "--moe-dense-tp-size",
     # Mamba cache

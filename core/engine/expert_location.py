@@ -4,9 +4,8 @@ copies of the busiest experts, placed by `--init-expert-location` (SGLang's flag
 `trivial` keeps expert e in slot e and gives the redundant slots experts 0, 1, ... in turn. A
 file (a `/dump_expert_distribution_record` dump, or JSON) gives either the placement itself
 (`physical_to_logical_map`, one list of slots a layer) or the tokens each expert of each layer
-received (`logical_count`, or the `logical_count_of_pass` of a per_pass dump), from which srv
-plans one: the extra copies go one at a time to the expert with the most tokens per copy, then
-the copies, busiest first, to the rank with the fewest tokens that has a free slot.
+received (`logical_count`, or the `logical_count_of_pass` of a per_pass dump), from which the
+`--eplb-algorithm` plugin plans one.
 """
 
 from __future__ import annotations
@@ -18,38 +17,16 @@ from typing import Any
 
 import torch
 
-from srv.sdk.moe import ExpertPlacement, config_num_experts
-from srv.sdk.parallel import partition_starts
+from srv.sdk.moe import EPLBAlgorithm, ExpertPlacement, config_num_experts
 
 logger = logging.getLogger("srv.engine")
 
 
-def plan_placement(counts: torch.Tensor, num_physical: int, ranks: int) -> list[list[int]]:
-    """physical_to_logical of each layer, for tokens per expert `counts` [layers, experts]."""
-    layers, experts = counts.shape
-    if num_physical < experts:
-        raise ValueError(f"{num_physical} expert slots cannot hold {experts} experts")
-    starts = partition_starts(num_physical, ranks, what="expert-parallel ranks")
-    capacity = [b - a for a, b in zip(starts, starts[1:])]
-    placement = []
-    for layer in range(layers):
-        load = counts[layer].double() + 1e-9   # an expert no token chose still needs its slot
-        copies = [1] * experts
-        for _ in range(num_physical - experts):
-            busiest = max(range(experts), key=lambda e: float(load[e]) / copies[e])
-            copies[busiest] += 1
-        slots = sorted(((float(load[e]) / copies[e], e) for e in range(experts) for _ in range(copies[e])),
-                       key=lambda slot: (-slot[0], slot[1]))
-        held: list[list[int]] = [[] for _ in range(ranks)]
-        totals = [0.0] * ranks
-        for share, expert in slots:
-            # Prefer a rank without a copy of this expert, then the least loaded.
-            rank = min((r for r in range(ranks) if len(held[r]) < capacity[r]),
-                       key=lambda r: (expert in held[r], totals[r], r))
-            held[rank].append(expert)
-            totals[rank] += share
-        placement.append([e for rank_slots in held for e in rank_slots])
-    return placement
+def placement_span(args: Any, config: Any) -> tuple[int, int]:
+    """(nodes the expert-parallel ranks span, expert groups of the model's grouped routing)."""
+    world = args.tensor_parallel_size * args.pipeline_parallel_size
+    nodes = max(1, args.expert_parallel_size * args.nnodes // world)
+    return nodes, int(getattr(config, "n_group", None) or 1)
 
 
 def read_location(path: Path) -> dict[str, Any]:
@@ -61,8 +38,9 @@ def read_location(path: Path) -> dict[str, Any]:
     return record
 
 
-def expert_placement(args: Any, config: Any) -> ExpertPlacement | None:
-    """The placement the launch asks for, or None for one copy of each expert in order."""
+def expert_placement(args: Any, config: Any, algorithm: EPLBAlgorithm) -> ExpertPlacement | None:
+    """The placement the launch asks for, or None for one copy of each expert in order; one
+    planned from a dump's counts is `algorithm`'s (--eplb-algorithm)."""
     redundant, location = args.ep_num_redundant_experts or 0, args.init_expert_location or "trivial"
     if redundant < 0:
         raise ValueError(f"--ep-num-redundant-experts must be at least 0, not {redundant}")
@@ -90,7 +68,7 @@ def expert_placement(args: Any, config: Any) -> ExpertPlacement | None:
             if tuple(counts.shape) != (layers, experts):
                 raise ValueError(f"--init-expert-location {location}: logical_count is {list(counts.shape)}, "
                                  f"not [{layers}, {experts}]")
-            placement = plan_placement(counts, num_physical, args.expert_parallel_size)
+            placement = algorithm.plan(counts, num_physical, args.expert_parallel_size, *placement_span(args, config))
     if any(not 0 <= e < experts for row in placement for e in row):
         raise ValueError(f"--init-expert-location {location}: names an expert outside 0..{experts - 1}")
     logger.info("expert placement: %d slots for %d experts a layer (%s)", num_physical, experts, location)

@@ -20,7 +20,7 @@ from srv.engine.expert_location import expert_placement
 from srv.engine.lora import LoRAAdapter, LoRAManager, lora_target_modules, parse_lora_paths
 from srv.engine.pooling import Pooling
 from srv.sdk.attention import AttentionBackend, ForwardBatch, ForwardMode, KVCache, KVCacheDtype
-from srv.sdk.moe import FusedMoE, MoEBackends, config_num_experts
+from srv.sdk.moe import EPLBAlgorithm, FusedMoE, MoEBackends, config_num_experts
 from srv.sdk.models import ModelConfig, ModelImpl, ModelLoader, ModelOutput, materialize
 from srv.sdk.parallel import ParallelContext, is_collective_failure
 from srv.sdk.quantization import QuantizationMethod
@@ -103,6 +103,7 @@ class ModelRunner:
     def _load(self, on_model_dir: Callable[[Path], None] | None) -> None:
         args, registry = self.args, self.registry
         self.quantization_name = NONE   # the method serving the weights (set by _quantization)
+        self.eplb_algorithm: EPLBAlgorithm | None = None   # a MoE model's (set by _moe_backends)
         path = local_model_path(args.model_path, args.revision, args.download_dir) if args.model_path \
             else default_model_path()
         loader = self._choose_loader(path)
@@ -241,16 +242,21 @@ class ModelRunner:
         args = self.args
         if not config_num_experts(self.config):
             return MoEBackends()
+        # --eplb-algorithm places experts planned from counts: a dump's at launch, the recorded
+        # ones under --enable-eplb.
+        self.eplb_algorithm = self.registry.choose("eplb_algorithm", args.eplb_algorithm).create(args)
         return MoEBackends(self.registry.choose("moe_runner", args.moe_runner_backend).create(args),
                            self.registry.choose("moe_a2a", args.moe_a2a_backend).create(args),
-                           args.expert_parallel_size, expert_placement(args, self.config), bool(args.enable_eplb))
+                           args.expert_parallel_size, expert_placement(args, self.config, self.eplb_algorithm),
+                           bool(args.enable_eplb))
 
-    def set_expert_placement(self, physical_to_logical: list[list[int]]) -> None:
-        """Every rank's MoE layers take a new placement of their experts (--enable-eplb)."""
+    def set_expert_placement(self, physical_to_logical: dict[int, list[int]]) -> None:
+        """Every rank's MoE layers named (layer id -> its slots' logical experts) take a new
+        placement of their experts (--enable-eplb)."""
         self._broadcast("set_expert_placement", physical_to_logical=physical_to_logical)
-        layers = [m for m in self.model.modules() if isinstance(m, FusedMoE)]
-        for layer in layers:
-            layer.place(physical_to_logical[layer.layer_id])
+        for layer in self.model.modules():
+            if isinstance(layer, FusedMoE) and layer.layer_id in physical_to_logical:
+                layer.place(physical_to_logical[layer.layer_id])
 
     def _load_config(self) -> ModelConfig:
         return ModelConfig.read(self.model_dir, json.loads(self.args.json_model_override_args or "{}"),

@@ -16,9 +16,9 @@ from typing import Any, Callable
 
 from srv.engine.io import AbortRequest, ControlRequest, ControlResult, GenerateRequest, RequestOutput
 from srv.engine.expert_distribution import ExpertDistributionRecorder, balancedness
-from srv.engine.expert_location import plan_placement
+from srv.engine.expert_location import placement_span
 from srv.engine.profiler import StepProfiler
-from srv.sdk.moe import config_num_experts
+from srv.sdk.moe import FusedMoE, config_num_experts, rank_utilization
 from srv.engine.request import Req
 from srv.engine.scheduler import Scheduler
 
@@ -47,6 +47,9 @@ class SchedulerLoop:
         self.paused = False              # /pause_generation: no steps until /continue_generation
         self.profiler = StepProfiler()
         self.experts = self._expert_recorder()
+        # --eplb-rebalance-layers-per-chunk: the layers of a new placement still to place, a
+        # chunk after each step.
+        self._placing: list[tuple[int, list[int]]] = []
         self._control_outputs: list[RequestOutput] = []   # what a control call ended (aborted requests)
         # A control call that waits for the running requests to end: (call id, what to do then).
         self._deferred: tuple[int, Callable[[], Any]] | None = None
@@ -123,6 +126,8 @@ class SchedulerLoop:
             counts = self.experts.after_pass()
             if counts is not None:
                 self._rebalance_experts(counts)
+        if self._placing:
+            self._place_chunk()
         now, stats = time.monotonic(), self.scheduler.stats
         self._generated.append((now, stats.generated_tokens))
         while now - self._generated[0][0] > THROUGHPUT_WINDOW_S:
@@ -313,13 +318,32 @@ class SchedulerLoop:
         return recorder
 
     def _rebalance_experts(self, counts: Any) -> None:
-        """--enable-eplb: place the experts anew by the tokens they received since the last time."""
+        """--enable-eplb: place the experts anew by the tokens they received since the last time,
+        unless the ranks' utilization under the current placement is above
+        --eplb-min-rebalancing-utilization-threshold."""
         args, runner = self.scheduler.args, self.scheduler.runner
+        current = {m.layer_id: m.slot_logical for m in runner.model.modules() if isinstance(m, FusedMoE)}
+        ids = sorted(current)
+        ranks = args.expert_parallel_size
+        utilization = rank_utilization(counts[ids], [current[i] for i in ids], ranks)
+        threshold = args.eplb_min_rebalancing_utilization_threshold
+        if utilization > threshold:
+            logger.info("expert placement kept: rank utilization %.3f is above "
+                        "--eplb-min-rebalancing-utilization-threshold %.2f", utilization, threshold)
+            return
         num_physical = counts.shape[1] + (args.ep_num_redundant_experts or 0)
         started = time.monotonic()
-        runner.set_expert_placement(plan_placement(counts, num_physical, args.expert_parallel_size))
-        logger.info("expert placement rebalanced by %d routed tokens in %.3fs (balancedness %.3f before)",
-                    int(counts.sum()), time.monotonic() - started, balancedness(counts))
+        plan = runner.eplb_algorithm.plan(counts, num_physical, ranks, *placement_span(args, runner.config))
+        self._placing = [(i, plan[i]) for i in ids]
+        self._place_chunk()
+        logger.info("expert placement planned by %d routed tokens in %.3fs (balancedness %.3f, rank utilization "
+                    "%.3f before)", int(counts.sum()), time.monotonic() - started, balancedness(counts), utilization)
+
+    def _place_chunk(self) -> None:
+        """Move the next --eplb-rebalance-layers-per-chunk layers (all, where unset) to their new placement."""
+        chunk = self.scheduler.args.eplb_rebalance_layers_per_chunk or len(self._placing)
+        rows, self._placing = self._placing[:chunk], self._placing[chunk:]
+        self.scheduler.runner.set_expert_placement(dict(rows))
 
     def _recorder(self) -> ExpertDistributionRecorder:
         if self.experts is None:

@@ -47,6 +47,8 @@ FAMILIES: tuple[Family, ...] = (
            ("--moe-runner-backend", "--speculative-moe-runner-backend")),
     Family("moe_a2a", "srv_register_moe_a2a_backends", "MoE all-to-all communication",
            ("--moe-a2a-backend", "--speculative-moe-a2a-backend")),
+    Family("eplb_algorithm", "srv_register_eplb_algorithms", "expert-parallel load balancing algorithms",
+           ("--eplb-algorithm",)),
     Family("grammar", "srv_register_grammar_backends", "constrained decoding engines",
            ("--grammar-backend",)),
     Family("eviction_policy", "srv_register_eviction_policies", "prefix-cache eviction policies",
@@ -114,6 +116,14 @@ def srv_register_moe_a2a_backends(register: Register) -> None:
     """Register MoE all-to-all dispatchers (`--moe-a2a-backend`).
 
     factory(server_args) -> srv.sdk.moe.MoEDispatcher
+    """
+
+
+@hookspec
+def srv_register_eplb_algorithms(register: Register) -> None:
+    """Register expert-parallel load balancing algorithms (`--eplb-algorithm`).
+
+    factory(server_args) -> srv.sdk.moe.EPLBAlgorithm
     """
 
 

@@ -281,6 +281,46 @@ class ExpertPlacement:
         return table, torch.tensor([len(s) for s in slots], device="cpu")
 
 
+class EPLBAlgorithm(ABC):
+    """An expert-parallel load balancing algorithm (`--eplb-algorithm`): where each layer's
+    experts go, given the tokens each one received.
+
+    The factory takes the server arguments. `plan` takes counts [layers, experts] (tokens routed
+    to each logical expert), the physical slots of a layer (experts plus
+    --ep-num-redundant-experts), the expert-parallel ranks (rank r holds the r-th run of
+    consecutive slots, split as `partition_starts` splits them), the nodes those ranks span
+    (consecutive ranks share a node) and the expert groups of the model's grouped routing
+    (consecutive experts; 1 where it has none). It returns each layer's physical_to_logical,
+    holding every expert at least once. A placement it cannot make for these numbers raises
+    ValueError, naming why. The kit (`srv.sdk.testing.EPLBAlgorithmKit`) checks placements and
+    that they spread a skewed load."""
+
+    def __init__(self, server_args: Any = None) -> None:
+        self.server_args = server_args
+
+    @abstractmethod
+    def plan(self, counts: torch.Tensor, num_physical: int, ranks: int, nodes: int = 1,
+             groups: int = 1) -> list[list[int]]:
+        ...
+
+
+def rank_utilization(counts: torch.Tensor, physical_to_logical: list[list[int]], ranks: int) -> float:
+    """How evenly a placement spreads the routed tokens over the expert-parallel ranks: the mean
+    over the layers that routed any of (mean tokens a rank / most tokens a rank), where an
+    expert's tokens split evenly over its copies. 1.0 is perfect balance, 1/ranks one busy rank."""
+    starts = partition_starts(len(physical_to_logical[0]), ranks, what="expert-parallel ranks")
+    rates = []
+    for layer, slots in enumerate(physical_to_logical):
+        load = counts[layer].double()
+        if float(load.sum()) <= 0:
+            continue
+        copies = torch.bincount(torch.tensor(slots), minlength=load.numel()).double()
+        share = load / copies.clamp(min=1)
+        per_rank = torch.stack([share[torch.tensor(slots[a:b], dtype=torch.int64)].sum() for a, b in zip(starts, starts[1:])])
+        rates.append(float(per_rank.mean() / per_rank.max()))
+    return sum(rates) / len(rates) if rates else 1.0
+
+
 @dataclass
 class MoEBackends:
     """What srv hands a model implementation for its MoE layers (`ModelImpl.moe`): the chosen

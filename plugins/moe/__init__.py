@@ -59,3 +59,13 @@ def srv_register_moe_a2a_backends(register):
     for name, what in GPU_EXCHANGES.items():
         register(name, "srv.plugins.moe.gpu_only:GPUOnlyDispatcher", description=f"{what}: accelerator only",
                  available=needs_ascend(what) if name == "ascend_fuseep" else needs_gpu(what))
+
+
+@hookimpl
+def srv_register_eplb_algorithms(register):
+    register("deepseek", "srv.plugins.moe.eplb:GlobalBalancer", priority=20,
+             description="copies for the busiest experts, then the copies spread over all expert-parallel ranks, "
+                         "busiest first to the least loaded")
+    register("deepseek_hierarchical", "srv.plugins.moe.eplb:HierarchicalBalancer", priority=10,
+             description="each expert group kept on one node (groups balanced over nodes), then each node "
+                         "balanced as deepseek over its own ranks")

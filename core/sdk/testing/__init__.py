@@ -19,6 +19,7 @@ backend, and pytest runs every check of the kit on it::
 | ReasoningParserKit | reasoning_parser | backend_name or parser_factory | its own format |
 | LoRABackendKit | lora_backend | backend_name or backend_factory | the plain products (float64) |
 | MoERunnerKit | moe_runner | backend_name or backend_factory | srv.sdk.moe.run_experts_reference |
+| EPLBAlgorithmKit | eplb_algorithm | backend_name or backend_factory | srv.sdk.moe.rank_utilization |
 | SchedulePolicyKit | schedule_policy | backend_name or policy_factory | (contract only) |
 | ModelLoaderKit | load_format | backend_name or loader_factory, make_checkpoint | transformers |
 | ModelImplKit | model_impl | backend_name or impl_factory, make_model_dir | transformers |
@@ -44,7 +45,7 @@ from srv.sdk.testing.grammar import GrammarBackendKit  # noqa: E402
 from srv.sdk.testing.hicache_storage import HiCacheStorageKit  # noqa: E402
 from srv.sdk.testing.lora import LoRABackendKit  # noqa: E402
 from srv.sdk.testing.models import ModelImplKit, ModelLoaderKit  # noqa: E402
-from srv.sdk.testing.moe import MoERunnerKit  # noqa: E402
+from srv.sdk.testing.moe import EPLBAlgorithmKit, MoERunnerKit  # noqa: E402
 from srv.sdk.testing.quantization import QuantizationMethodKit  # noqa: E402
 from srv.sdk.testing.reasoning import ReasoningParserKit  # noqa: E402
 from srv.sdk.testing.registry import registered_temporarily  # noqa: E402
@@ -57,6 +58,7 @@ from srv.sdk.testing.tiny_model import (hf_greedy, random_prompts, save_tiny_tok
 
 __all__ = [
     "AttentionBackendKit",
+    "EPLBAlgorithmKit",
     "EvictionPolicyKit",
     "GrammarBackendKit",
     "HiCacheStorageKit",

@@ -1,4 +1,5 @@
-"""Conformance kit for MoE expert runners (`--moe-runner-backend`)."""
+"""Conformance kits for MoE expert runners (`--moe-runner-backend`) and expert-parallel load
+balancing algorithms (`--eplb-algorithm`)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from srv.sdk.moe import ExpertWeights, MoERunner, Routing, run_experts_reference, select_experts
+from srv.sdk.moe import (EPLBAlgorithm, ExpertWeights, MoERunner, Routing, rank_utilization, run_experts_reference,
+                         select_experts)
 from srv.sdk.testing.registry import create
 
 HIDDEN, INTER = 64, 48
@@ -103,3 +105,59 @@ class MoERunnerKit:
             experts = random_experts(generator, 2, 2, 8, dtype)
             weights, ids = select_experts(torch.randn(25, 8, generator=generator), Routing(4))
             self.check(self.make_runner(), self.x_for(dtype, 25, generator), weights, ids, experts, dtype)
+
+
+class EPLBAlgorithmKit:
+    """Checks an expert-parallel load balancing algorithm (`--eplb-algorithm`): every slot of
+    every layer holds an expert and every expert has a slot, with and without redundant slots,
+    for zero counts and random ones, on one node and (where the algorithm plans it, else a
+    ValueError) on two with grouped experts; the counts are left alone; and a placement planned
+    for a skewed load spreads it over the ranks at least as evenly as one copy of each expert
+    in order (`srv.sdk.moe.rank_utilization`).
+
+        class TestMyBalancer(EPLBAlgorithmKit):
+            backend_name = "mybalancer"        # the name your plugin registers, or:
+            # backend_factory = MyBalancer     # (server_args) -> EPLBAlgorithm
+    """
+
+    backend_name: str | None = None
+    backend_factory: Callable[[Any], EPLBAlgorithm] | None = None
+
+    def make_algorithm(self) -> EPLBAlgorithm:
+        return create(self, "eplb_algorithm", "backend_name", "backend_factory", None)
+
+    def check(self, counts: torch.Tensor, num_physical: int, ranks: int, nodes: int = 1,
+              groups: int = 1) -> list[list[int]]:
+        before = counts.clone()
+        placement = self.make_algorithm().plan(counts, num_physical, ranks, nodes, groups)
+        assert torch.equal(counts, before), "the counts are left alone"
+        layers, experts = counts.shape
+        assert len(placement) == layers, f"{len(placement)} layers placed of {layers}"
+        for layer, slots in enumerate(placement):
+            assert len(slots) == num_physical, f"layer {layer}: {len(slots)} slots, not {num_physical}"
+            assert all(isinstance(e, int) and 0 <= e < experts for e in slots), f"layer {layer}: {slots}"
+            assert set(slots) == set(range(experts)), f"layer {layer} leaves experts out: {slots}"
+        return placement
+
+    # ---- the tests -------------------------------------------------------------------------
+
+    @pytest.mark.parametrize("experts,redundant,ranks", [(4, 0, 1), (4, 2, 2), (8, 4, 4), (6, 1, 2), (16, 16, 4)])
+    def test_every_expert_has_a_slot(self, experts: int, redundant: int, ranks: int) -> None:
+        generator = torch.Generator().manual_seed(experts * 100 + redundant)
+        counts = torch.randint(0, 1000, (3, experts), generator=generator)
+        self.check(counts, experts + redundant, ranks)
+        self.check(torch.zeros(2, experts, dtype=torch.int64), experts + redundant, ranks)
+
+    def test_two_nodes_with_grouped_experts(self) -> None:
+        counts = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(2))
+        try:
+            self.check(counts, 24, 4, nodes=2, groups=4)
+        except ValueError:   # an algorithm may not plan for nodes; it says so
+            pass
+
+    def test_a_skewed_load_is_spread(self) -> None:
+        counts = torch.tensor([[5000, 10, 10, 10, 2000, 10, 10, 10], [1, 1, 1, 1, 1, 1, 1, 800]])
+        for redundant, ranks in ((0, 2), (4, 4)):
+            placement = self.check(counts, 8 + redundant, ranks)
+            trivial = [list(range(8)) + list(range(redundant))] * 2
+            assert rank_utilization(counts, placement, ranks) >= rank_utilization(counts, trivial, ranks) - 1e-9
