@@ -242,7 +242,25 @@ def test_one_batch_benchmark(tiny_models, capsys):
     # The linear layers at each batch's decode and prefill rows, beside the machine's peaks.
     gemm = result["gemm"]
     assert set(gemm["layers_gops"]) == {"1", "4", "40", "160"} and all(g > 0 for g in gemm["layers_gops"].values())
-    assert {"float32", "int8"} <= set(gemm["peaks_gops"]) and result["quantization"] == "none"
+    assert set(gemm["peaks_gops"]) == {"float32", "int8"} and all(g > 0 for g in gemm["peaks_gops"].values())
+    assert {"float32", "int8"} <= set(gemm["library_gops"]) and result["quantization"] == "none"
+
+
+def test_instruction_peaks_on_every_instruction_set_this_cpu_has(monkeypatch):
+    """The peak loops of each instruction set the machine runs (the portable C one included)
+    give their figures; a name the ladder does not have is refused."""
+    from srv.bench.gemm import PEAK_ISAS, instruction_peaks
+    from srv.sdk import requires_cpu_flags
+
+    for isa, flags in PEAK_ISAS.items():
+        if not requires_cpu_flags(*flags)().ok:
+            continue
+        monkeypatch.setenv("SRV_PEAK_ISA", isa)
+        measured, peaks = instruction_peaks(1)
+        assert measured == isa and set(peaks) == {"float32", "int8"} and all(g > 0.1 for g in peaks.values())
+    monkeypatch.setenv("SRV_PEAK_ISA", "sse9")
+    with pytest.raises(ValueError, match="SRV_PEAK_ISA=sse9"):
+        instruction_peaks(1)
 
 
 def test_one_batch_text_report_and_a_batch_too_big(tiny_models):
@@ -250,7 +268,7 @@ def test_one_batch_text_report_and_a_batch_too_big(tiny_models):
                        "--batch-size", "2", "--input-len", "16", "--output-len", "3", "--disable-tqdm")
     assert result.returncode == 0, result.stderr
     assert "Prefill latency (s):" in result.stdout and "Median decode step latency (s):" in result.stdout
-    assert "machine peaks" in result.stdout and "int8 GOP/s" in result.stdout
+    assert "machine peaks" in result.stdout and "int8 GOP/s" in result.stdout and "torch's products" in result.stdout
     too_big = run_bench("one-batch", "--model-path", str(tiny_models["llama"]), "--dtype", "float32",
                         "--max-running-requests", "2", "--batch-size", "3", "--input-len", "16", "--output-len", "3")
     assert too_big.returncode == 1 and "--max-running-requests" in too_big.stderr

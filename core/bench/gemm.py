@@ -3,17 +3,29 @@
 
 A layer is any module with `in_features` and `out_features` not inside another such module (a
 quantized layer's dense copy is its own business). Each is called on random rows of the served
-dtype, as the model would call it; the peaks are torch's own products on a large square shape
-(oneDNN: float32 `linear` and int8 `_int_mm`, bf16 where the CPU computes it natively).
+dtype, as the model would call it. The machine's peaks are the multiply-add throughput of the
+widest instructions the CPU has (`peak_kernels.c`: chains of FMAs, and of vpmaddubsw or VNNI's
+vpdpbusd, on registers, on every thread torch uses): no library's product reaches past them.
+Beside them, torch's own products on a large square shape (oneDNN: float32 `linear` and int8
+`_int_mm`, bf16 where the CPU computes it natively) say what a maintained library reaches here;
+on a CPU without VNNI, oneDNN's int8 product is far under the int8 peak.
 """
 
 from __future__ import annotations
 
+import ctypes
 import statistics
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 PEAK_SHAPE = (512, 2048, 2048)   # rows, in, out
+# The peak loops' instruction sets, fastest first, with the CPU flags each needs; the codes
+# peak_kernels.c takes.
+PEAK_ISAS = {"avx512_vnni": ("avx512f", "avx512bw", "avx512_vnni"), "avx512": ("avx512f", "avx512bw"),
+             "avx2": ("avx2", "fma"), "portable": ()}
+ISA_CODES = {"portable": 0, "avx2": 1, "avx512": 2, "avx512_vnni": 3}
+PEAK_SECONDS = 0.1   # each timed run of a peak loop lasts about this long
 
 
 def linear_layers(model: Any) -> list[Any]:
@@ -53,7 +65,30 @@ def layers_throughput(model: Any, rows: int, dtype: Any) -> float:
     return operations / _seconds(run) / 1e9
 
 
-def machine_peaks() -> dict[str, float]:
+def instruction_peaks(threads: int) -> tuple[str, dict[str, float]]:
+    """(the instruction set, GOP/s of its float32 and int8 multiply-add loops on `threads`
+    threads); SRV_PEAK_ISA names a slower instruction set to measure instead."""
+    from srv.sdk.native import load_c_library, pick_isa
+
+    library = load_c_library(Path(__file__).with_name("peak_kernels.c"))
+    isa = pick_isa(PEAK_ISAS, "SRV_PEAK_ISA")
+    peaks = {}
+    for kind, loop in (("float32", library.srv_peak_fma), ("int8", library.srv_peak_int8)):
+        loop.restype, loop.argtypes = ctypes.c_double, [ctypes.c_int, ctypes.c_int64, ctypes.c_int]
+        iterations = 1 << 12
+        while True:   # long enough to time
+            started = time.perf_counter()
+            loop(ISA_CODES[isa], iterations, threads)
+            if time.perf_counter() - started >= PEAK_SECONDS / 4:
+                break
+            iterations *= 4
+        iterations = int(iterations * PEAK_SECONDS / max(time.perf_counter() - started, 1e-6)) or 1
+        operations = loop(ISA_CODES[isa], iterations, threads)
+        peaks[kind] = operations / _seconds(lambda: loop(ISA_CODES[isa], iterations, threads), 3) / 1e9
+    return isa, peaks
+
+
+def library_products() -> dict[str, float]:
     """GOP/s of torch's float32, bf16 (where native) and int8 products on PEAK_SHAPE."""
     import torch
     from torch.nn import functional as F
@@ -74,5 +109,10 @@ def machine_peaks() -> dict[str, float]:
 
 
 def gemm_report(model: Any, dtype: Any, row_counts: list[int]) -> dict[str, Any]:
+    import torch
+
+    threads = torch.get_num_threads()
+    isa, peaks = instruction_peaks(threads)
     return {"layers_gops": {str(rows): layers_throughput(model, rows, dtype) for rows in row_counts},
-            "peaks_gops": machine_peaks(), "peak_shape": list(PEAK_SHAPE)}
+            "peaks_gops": peaks, "peak_isa": isa, "peak_threads": threads,
+            "library_gops": library_products(), "library_shape": list(PEAK_SHAPE)}

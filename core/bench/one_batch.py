@@ -169,7 +169,9 @@ def format_one_batch(summary: dict[str, Any]) -> str:
     if gemm:
         rows.append(f"linear layers ({summary['quantization']}, {summary['dtype']})")
         rows += [(f"GOP/s at {n} rows", f"{gops:.1f}") for n, gops in gemm["layers_gops"].items()]
-        m, k, n = gemm["peak_shape"]
-        rows.append(f"machine peaks ({m}x{k} by {k}x{n})")
+        rows.append(f"machine peaks ({gemm['peak_isa']} multiply-adds on registers, {gemm['peak_threads']} threads)")
         rows += [(f"{kind} GOP/s", f"{gops:.1f}") for kind, gops in gemm["peaks_gops"].items()]
+        m, k, n = gemm["library_shape"]
+        rows.append(f"torch's products ({m}x{k} by {k}x{n})")
+        rows += [(f"{kind} GOP/s", f"{gops:.1f}") for kind, gops in gemm["library_gops"].items()]
     return render("One-batch benchmark", rows)
