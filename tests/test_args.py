@@ -208,7 +208,6 @@ EXPECTED_NOT_SUPPORTED_YET = {
     "--enable-multimodal", "--limit-mm-data-per-request",
     "--warmups", "--nccl-port",
     "--modelopt-quant", "--modelopt-checkpoint-restore-path", "--modelopt-checkpoint-save-path",
-    "--enable-fp32-lm-head",
     "--hybrid-kvcache-ratio", "--swa-full-tokens-ratio",
     "--disable-hybrid-swa-memory", "--elastic-ep-backend", "--mooncake-ib-device",
     "--base-gpu-id",

@@ -8,12 +8,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.nn import functional as F
 
 import srv
 from srv.engine.default_model import default_model_path
 from srv.plugins.attention import padded_sdpa
 from srv.plugin_manager import load_plugins
 from srv.plugins.quantization.gguf import GGUFLinear
+from srv.sdk.layers import Float32Head
 
 NEW_TOKENS = 32
 GREEDY = {"max_new_tokens": NEW_TOKENS, "temperature": 0}
@@ -138,8 +140,9 @@ def test_default_model_gguf_kernels_match_hf(default_model_dir, model_impl):
         assert_matches_hf(engine, default_model_dir, ids, engine.generate(PROMPTS, GREEDY))
 
 
-@pytest.mark.parametrize("flags", [{"dtype": "bfloat16"}, {"dtype": "bfloat16", "quantization": "gguf"}],
-                         ids=["bfloat16", "gguf-bfloat16"])
+@pytest.mark.parametrize("flags", [{"dtype": "bfloat16"}, {"dtype": "bfloat16", "quantization": "gguf"},
+                                   {"dtype": "bfloat16", "quantization": "gguf", "enable_fp32_lm_head": True}],
+                         ids=["bfloat16", "gguf-bfloat16", "gguf-bfloat16-fp32-head"])
 def test_default_model_bfloat16_within_tolerance(default_model_dir, flags):
     """bf16 arithmetic against the fp32 reference: every prompt's first token is one the reference
     ranks within BF16_LOGPROB_TOLERANCE of its best, and the top-5 next-token log-probabilities
@@ -155,6 +158,25 @@ def test_default_model_bfloat16_within_tolerance(default_model_dir, flags):
             assert float(reference.max() - reference[result["output_ids"][0]]) <= BF16_LOGPROB_TOLERANCE, prompt
             for token, logprob in result["meta_info"]["output_top_logprobs"][0]:
                 assert abs(logprob - float(reference[token])) <= BF16_LOGPROB_TOLERANCE, (prompt, token)
+
+
+@pytest.mark.parametrize("model_impl", ["auto", "transformers"])
+def test_fp32_lm_head_computes_the_logits_in_float32(tiny_models, model_impl):
+    """--enable-fp32-lm-head: a bf16 model's head takes its rows and (a copy of) its weights in
+    float32, and its logits are not rounded to bf16; at float32 it has nothing to do."""
+    path = tiny_models["llama"]
+    with srv.Engine(model_path=str(path), dtype="bfloat16", model_impl=model_impl, enable_fp32_lm_head=True) as engine:
+        model = engine.runner.model
+        head = model.lm_head if model_impl == "auto" else model.hf.lm_head
+        assert isinstance(head, Float32Head) and head.head.weight.dtype == torch.bfloat16
+        x = torch.randn(3, head.weight.shape[1], dtype=torch.bfloat16)
+        logits = head(x)
+        assert logits.dtype == torch.float32 and torch.equal(logits, F.linear(x.float(), head.head.weight.float()))
+        assert not torch.equal(logits, head.head(x).float())   # the bf16 product rounds
+        results = engine.generate(input_ids=random_prompts(2), sampling_params={"max_new_tokens": 4, "temperature": 0})
+        assert [len(r["output_ids"]) for r in results] == [4, 4]
+    with srv.Engine(model_path=str(path), dtype="float32", enable_fp32_lm_head=True) as engine:
+        assert not isinstance(engine.runner.model.lm_head, Float32Head)
 
 
 # bfloat16 keeps 8 bits of mantissa through 30 layers: the top-5 log-probabilities move by up to

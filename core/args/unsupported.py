@@ -16,7 +16,6 @@ NOT_SUPPORTED_YET = frozenset({
     "--modelopt-quant",
     "--modelopt-checkpoint-restore-path",
     "--modelopt-checkpoint-save-path",
-    "--enable-fp32-lm-head",
     # Memory and scheduling
     "--hybrid-kvcache-ratio",
     "--swa-full-tokens-ratio",

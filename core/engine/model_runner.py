@@ -21,6 +21,7 @@ from srv.engine.lora import LoRAAdapter, LoRAManager, lora_target_modules, parse
 from srv.engine.pooling import Pooling
 from srv.sdk.attention import AttentionBackend, ForwardBatch, ForwardMode, KVCache, KVCacheDtype
 from srv.sdk.moe import EPLBAlgorithm, FusedMoE, MoEBackends, config_num_experts
+from srv.sdk.layers import use_float32_head
 from srv.sdk.models import ModelConfig, ModelImpl, ModelLoader, ModelOutput, materialize
 from srv.sdk.parallel import ParallelContext, is_collective_failure
 from srv.sdk.quantization import QuantizationMethod
@@ -140,6 +141,8 @@ class ModelRunner:
             method.apply(self.model)
         self.model.to(self.dtype).eval()
         impl.finalize(self.model)
+        if args.enable_fp32_lm_head and self.dtype != torch.float32 and not self.is_embedding:
+            use_float32_head(self.model)
         self.lora = self._load_lora() if args.enable_lora or args.lora_paths else None
         logger.info("loaded %s (%s, %s) in %.1fs", path.name, self.config.architectures[0], self.dtype,
                     time.monotonic() - started)

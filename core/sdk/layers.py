@@ -160,3 +160,45 @@ class ParallelLMHead(ColumnParallelLinear):
     def __init__(self, hidden_size: int, vocab_size: int, parallel: ParallelContext) -> None:
         super().__init__(hidden_size, vocab_size, False, parallel)
         self.vocab_starts = parallel.partition_starts(vocab_size)
+
+
+class Float32Head(nn.Module):
+    """A vocabulary head computing in float32 (`--enable-fp32-lm-head`) for a model served in
+    another dtype: the rows widened to float32, and a plain head's weights widened once (a copy:
+    a tied head shares its weights with the embedding, which stays in the served dtype); a
+    quantized head (any module without a floating-point `weight`) takes the float32 rows and
+    returns its float32 product unrounded. `weight` is what the product reads."""
+
+    def __init__(self, head: nn.Module) -> None:
+        super().__init__()
+        self.head = head
+        weight = getattr(head, "weight", None)
+        plain = isinstance(weight, torch.Tensor) and weight.is_floating_point()
+        self.weight = weight.detach().float() if plain else weight
+        bias = getattr(head, "bias", None) if plain else None
+        self.bias = bias.detach().float() if isinstance(bias, torch.Tensor) else None
+        self.plain = plain
+        self.vocab_starts = getattr(head, "vocab_starts", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.plain:
+            return F.linear(x.float(), self.weight, self.bias)
+        return self.head(x.float()).float()
+
+
+def use_float32_head(model: nn.Module) -> None:
+    """Put a Float32Head in place of `model`'s vocabulary head: the module a transformers model's
+    `get_output_embeddings()` names, else the one called `lm_head`, wherever it sits."""
+    for name, module in model.named_modules():
+        get = getattr(module, "get_output_embeddings", None)
+        head = get() if callable(get) else None
+        if head is not None:
+            module.set_output_embeddings(Float32Head(head))
+            return
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] == "lm_head":
+            parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+            setattr(parent, "lm_head", Float32Head(module))
+            return
+    raise ValueError(f"--enable-fp32-lm-head: {type(model).__name__} has no vocabulary head srv can find "
+                     "(an `lm_head` module, or transformers' get_output_embeddings)")
