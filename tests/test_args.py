@@ -234,7 +234,7 @@ EXPECTED_NOT_SUPPORTED_YET = {
     "--enable-mscclpp", "--enable-torch-symm-mem", "--enable-dp-attention",
     "--enable-dp-lm-head", "--enable-two-batch-overlap", "--enable-single-batch-overlap", "--tbo-token-distribution-threshold",
     "--enable-torch-compile", "--enable-torch-compile-debug-mode", "--enable-piecewise-cuda-graph", "--piecewise-cuda-graph-tokens",
-    "--torch-compile-max-bs", "--piecewise-cuda-graph-max-tokens", "--enable-nan-detection",
+    "--torch-compile-max-bs", "--piecewise-cuda-graph-max-tokens",
     "--enable-p2p-check", "--triton-attention-reduce-in-fp32", "--triton-attention-num-kv-splits", "--triton-attention-split-tile-size",
     "--num-continuous-decode-steps", "--delete-ckpt-after-loading", "--enable-weights-cpu-backup",
     "--flashinfer-mla-disable-ragged", "--disable-shared-experts-fusion",

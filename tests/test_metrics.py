@@ -173,3 +173,16 @@ def test_crash_on_nan_stops_the_engine(tiny_models):
                      json_model_override_args='{"rms_norm_eps": -1e30}') as engine:
         with pytest.raises(ValueError, match="NaN in the logits"):
             engine.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 2})
+
+
+def test_nan_detection_logs_the_request_and_samples_past_the_nan(tiny_models, caplog):
+    """--enable-nan-detection: logits holding a NaN (every one, here: a negative norm epsilon)
+    are logged with their request and sampled with each NaN as -1e5, so the request ends."""
+    with make_engine(tiny_models["llama"], enable_nan_detection=True,
+                     json_model_override_args='{"rms_norm_eps": -1e30}') as engine:
+        with caplog.at_level("WARNING", logger="srv"):
+            result = engine.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 2, "temperature": 0,
+                                                                           "ignore_eos": True})
+    assert len(result["output_ids"]) == 2
+    assert any("NaN in the logits of requests" in r.getMessage() and "--enable-nan-detection" in r.getMessage()
+               for r in caplog.records)

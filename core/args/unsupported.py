@@ -92,7 +92,6 @@ NOT_SUPPORTED_YET = frozenset({
     "--piecewise-cuda-graph-tokens",
     "--torch-compile-max-bs",
     "--piecewise-cuda-graph-max-tokens",
-    "--enable-nan-detection",
     "--enable-p2p-check",
     "--triton-attention-reduce-in-fp32",
     "--triton-attention-num-kv-splits",

@@ -81,6 +81,7 @@ class Worker:
         """fail(req, why) ends a request the worker cannot compute; stats counts forward_steps."""
         self.runner, self.req_pool, self.eos_ids = runner, req_pool, eos_ids
         self.fail, self.crash_on_nan, self.stats = fail, crash_on_nan, stats
+        self.detect_nan = bool(getattr(runner.args, "enable_nan_detection", False))
         self.capture_layers: tuple[int, ...] = ()   # hidden states every forward pass returns
 
     def draft_budget(self, req: Req) -> int:
@@ -96,7 +97,25 @@ class Worker:
             return BatchResult([])
         if self.crash_on_nan and torch.isnan(logits).any():
             raise FloatingPointError(f"NaN in the logits of requests {[i.req.rid for i in batch]} (--crash-on-nan)")
+        if self.detect_nan:
+            logits = self._without_nan(batch, logits)
         return self._sample(batch, logits)
+
+    def _without_nan(self, batch: list[ScheduledReq], logits: torch.Tensor) -> torch.Tensor:
+        """--enable-nan-detection: log the requests whose logits hold a NaN, and sample them with
+        each NaN read as -1e5 (as SGLang does), so the sampler never sees one."""
+        rows = torch.isnan(logits).any(-1)
+        if not bool(rows.any()):
+            return logits
+        rids, start = [], 0
+        for item in batch:   # each request's rows: its last token's, then its drafts'
+            end = start + 1 + len(item.drafts)
+            if bool(rows[start:end].any()):
+                rids.append(item.req.rid)
+            start = end
+        logger.warning("NaN in the logits of requests %s (--enable-nan-detection): sampled with each NaN as -1e5",
+                       rids)
+        return torch.nan_to_num(logits, nan=-1e5)
 
     # ---- forward -------------------------------------------------------------------------
 
