@@ -280,3 +280,33 @@ def test_tiny_llama_requests_join_a_running_batch(tiny_models):
         assert len(chunks[0]["output_ids"]) == 1
         assert_matches_hf(engine, tiny_models["llama"], prompts, [chunks[-1]] + [results[i] for i in (1, 2, 3)])
         assert steps_with_company < 4 * NEW_TOKENS  # decodes of different requests shared steps
+
+
+def test_continuous_decode_steps_stream_tokens_in_groups_and_keep_the_output(tiny_models):
+    """--num-continuous-decode-steps 4: while the running requests decode and none waits, a loop
+    step runs four decode steps, so a stream's updates come four tokens at a time."""
+    prompts = random_prompts(3, seed=11)
+    with make_engine(tiny_models["llama"], num_continuous_decode_steps=4) as engine:
+        lengths = [len(chunk["output_ids"]) for chunk in engine.generate(
+            input_ids=prompts[0], sampling_params={**GREEDY, "ignore_eos": True}, stream=True)]
+        results = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+    steps = [b - a for a, b in zip(lengths, lengths[1:])]
+    assert lengths[0] == 1 and lengths[-1] == NEW_TOKENS and set(steps[:-1]) == {4}, lengths
+    assert_matches_hf(engine, tiny_models["llama"], prompts, results)
+
+
+def test_scheduler_recv_interval_takes_messages_every_nth_step_while_working(tiny_models):
+    from srv.engine.scheduler_loop import SchedulerLoop
+
+    class Working(SchedulerLoop):
+        has_work = True
+
+    prompts = random_prompts(2, seed=12)
+    with make_engine(tiny_models["llama"], scheduler_recv_interval=3) as engine:
+        loop, taken = Working(engine.scheduler), []
+        for _ in range(7):
+            taken.append(loop.receives_now())
+            loop._steps_since_receive += 1   # as a step counts
+        assert taken == [False, False, False, True, False, False, True]
+        results = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+    assert_matches_hf(engine, tiny_models["llama"], prompts, results)

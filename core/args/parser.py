@@ -190,6 +190,9 @@ def check_launch_args(args: argparse.Namespace, parser: LaunchArgumentParser) ->
             parser.error(f"{flag} is not valid JSON: {exc}")
         if not isinstance(value, dict):
             parser.error(f"{flag} must be a JSON object")
+    for flag in ("--scheduler-recv-interval", "--num-continuous-decode-steps"):
+        if getattr(args, flag.lstrip("-").replace("-", "_")) < 1:
+            parser.error(f"{flag} must be at least 1")
     if args.device not in (None, "cpu"):
         # --disable-cuda-graph and --disable-overlap-schedule are accepted as they are: srv runs
         # no CUDA graphs and no overlapped scheduling, so they describe what it does already.

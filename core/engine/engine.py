@@ -66,10 +66,11 @@ class Engine:
             while not self._stopped.is_set():
                 outputs = []
                 try:
-                    message = self._inbox.get(timeout=0.1) if not loop.has_work else self._inbox.get_nowait()
-                    while True:
-                        outputs += loop.handle(message)
-                        message = self._inbox.get_nowait()
+                    if loop.receives_now():
+                        message = self._inbox.get(timeout=0.1) if not loop.has_work else self._inbox.get_nowait()
+                        while True:
+                            outputs += loop.handle(message)
+                            message = self._inbox.get_nowait()
                 except queue.Empty:
                     pass
                 outputs += loop.step()

@@ -50,6 +50,10 @@ class SchedulerLoop:
         # --eplb-rebalance-layers-per-chunk: the layers of a new placement still to place, a
         # chunk after each step.
         self._placing: list[tuple[int, list[int]]] = []
+        args = scheduler.args
+        self.recv_interval = args.scheduler_recv_interval
+        self.continuous_decode_steps = args.num_continuous_decode_steps
+        self._steps_since_receive = 0
         self._control_outputs: list[RequestOutput] = []   # what a control call ended (aborted requests)
         # A control call that waits for the running requests to end: (call id, what to do then).
         self._deferred: tuple[int, Callable[[], Any]] | None = None
@@ -105,13 +109,35 @@ class SchedulerLoop:
             result = ControlResult(call_id, None, f"{type(exc).__name__}: {exc}")
         return [*outputs, result]
 
+    def receives_now(self) -> bool:
+        """Whether the loop takes the messages waiting now: always while idle, and every
+        --scheduler-recv-interval steps while it works."""
+        if self.has_work and self._steps_since_receive < self.recv_interval:
+            return False
+        self._steps_since_receive = 0
+        return True
+
     def step(self) -> list[RequestOutput | ControlResult]:
+        """One scheduler step, or --num-continuous-decode-steps decode steps in a row while the
+        running requests decode and none waits; each request's new tokens in one output."""
         if self.paused:
             return []
         if self._deferred is not None:
             deferred = self._run_deferred()
             if deferred:
                 return deferred
+        stats = self.scheduler.stats
+        stepped: list[Req] = []
+        for _ in range(self.continuous_decode_steps):
+            decoded = stats.decode_steps
+            stepped += self._step_once()
+            if stats.decode_steps == decoded or self.scheduler.waiting or not self.scheduler.running:
+                break
+        self._steps_since_receive += 1
+        requests = {id(req): req for req in self.scheduler.take_failed() + stepped}
+        return [self._output(req) for req in requests.values()]
+
+    def _step_once(self) -> list[Req]:
         try:
             stepped = self.scheduler.step()
         except FloatingPointError:   # --crash-on-nan asks for the process to end
@@ -120,7 +146,6 @@ class SchedulerLoop:
             logger.exception("a scheduler step failed; failing the requests it held")
             self.scheduler.fail_step(f"internal error: {type(exc).__name__}: {exc}")
             stepped = []
-        outputs = [self._output(req) for req in self.scheduler.take_failed() + stepped]
         self.profiler.after_step()
         if self.experts is not None and self.experts.active:
             counts = self.experts.after_pass()
@@ -142,7 +167,7 @@ class SchedulerLoop:
                         status["kv_tokens_in_use"], status["kv_capacity_tokens"],
                         100 * status["kv_tokens_in_use"] / max(status["kv_capacity_tokens"], 1),
                         100 * stats.cached_prompt_tokens / max(stats.prompt_tokens, 1), spec)
-        return outputs
+        return stepped
 
     def throughput(self) -> float:
         """Generated tokens per second over the last few seconds."""

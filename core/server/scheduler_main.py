@@ -131,7 +131,8 @@ def _serve(loop: Any, watchdog: "Watchdog", requests: zmq.Socket, outputs: zmq.S
     while True:
         outs: list[Any] = []
         timeout = 0 if loop.has_work else 100
-        while poller.poll(timeout):
+        receiving = loop.receives_now()
+        while receiving and poller.poll(timeout):
             message = requests.recv_pyobj()
             if isinstance(message, Shutdown):
                 return
