@@ -244,7 +244,7 @@ EXPECTED_NOT_SUPPORTED_YET = {
     "--debug-tensor-dump-inject", "--enable-dynamic-batch-tokenizer", "--dynamic-batch-tokenizer-batch-size", "--dynamic-batch-tokenizer-batch-timeout",
     "--disaggregation-mode", "--disaggregation-transfer-backend", "--disaggregation-bootstrap-port", "--disaggregation-decode-tp",
     "--disaggregation-decode-dp", "--disaggregation-prefill-pp", "--disaggregation-ib-device", "--disaggregation-decode-enable-offload-kvcache",
-    "--num-reserved-decode-tokens", "--disaggregation-decode-polling-interval", "--custom-weight-loader", "--weight-loader-disable-mmap",
+    "--num-reserved-decode-tokens", "--disaggregation-decode-polling-interval", "--custom-weight-loader",
     "--remote-instance-weight-loader-seed-instance-ip", "--remote-instance-weight-loader-seed-instance-service-port", "--remote-instance-weight-loader-send-weights-group-ports", "--enable-pdmux",
     "--pdmux-config-path", "--sm-group-num", "--enable-deterministic-inference",
 }

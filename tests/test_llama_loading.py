@@ -131,3 +131,16 @@ def test_multithread_load_of_sharded_files_gives_the_same_weights(tmp_path):
         assert torch.equal(a, b), name
     with pytest.raises(ValueError, match="does not take \\['load_fast'\\]"):
         SafetensorsLoader(Namespace(model_loader_extra_config='{"load_fast": 1}')).load(build(tmp_path), tmp_path)
+
+
+def test_weight_loader_disable_mmap_reads_the_file_into_memory(tmp_path):
+    """--weight-loader-disable-mmap: the same weights, none of them a map of the file."""
+    from argparse import Namespace
+
+    folder = tiny_checkpoint(tmp_path, tie=False)
+    mapped, read = build(folder), build(folder)
+    SafetensorsLoader().load(mapped, folder)
+    SafetensorsLoader(Namespace(weight_loader_disable_mmap=True, model_loader_extra_config=None)).load(read, folder)
+    for (name, a), (_, b) in zip(mapped.named_parameters(), read.named_parameters()):
+        assert torch.equal(a, b), name
+        assert not file_mapped(b, folder / "model.safetensors"), name

@@ -129,7 +129,6 @@ NOT_SUPPORTED_YET = frozenset({
     "--disaggregation-decode-polling-interval",
     # Custom weight loader
     "--custom-weight-loader",
-    "--weight-loader-disable-mmap",
     "--remote-instance-weight-loader-seed-instance-ip",
     "--remote-instance-weight-loader-seed-instance-service-port",
     "--remote-instance-weight-loader-send-weights-group-ports",

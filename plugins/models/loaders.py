@@ -14,7 +14,9 @@ from srv.sdk.models import ModelLoader
 
 class SafetensorsLoader(ModelLoader):
     """*.safetensors files in name order; with --model-loader-extra-config
-    {"enable_multithread_load": true, "num_threads": N} (SGLang's keys) N files are read at once."""
+    {"enable_multithread_load": true, "num_threads": N} (SGLang's keys) N files are read at once.
+    Each file is memory-mapped, or with --weight-loader-disable-mmap read whole into memory
+    first (for file systems where mapping is slow or unsupported)."""
 
     extra_config_keys = frozenset({"enable_multithread_load", "num_threads"})
     DEFAULT_THREADS = 8
@@ -25,28 +27,36 @@ class SafetensorsLoader(ModelLoader):
     def load(self, model: nn.Module, model_dir: Path) -> None:
         config = self.extra_config()
         threads = int(config.get("num_threads", self.DEFAULT_THREADS)) if config.get("enable_multithread_load") else 1
-        model.load_weights(self._tensors(model_dir, threads))
+        mmap = not getattr(self.server_args, "weight_loader_disable_mmap", False)
+        model.load_weights(self._tensors(model_dir, threads, mmap))
 
     @staticmethod
-    def _tensors(model_dir: Path, threads: int = 1) -> Iterator[tuple[str, torch.Tensor]]:
+    def _tensors(model_dir: Path, threads: int = 1, mmap: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
         files = sorted(model_dir.glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
         if threads <= 1 or len(files) == 1:
             for file in files:
-                yield from _file_tensors(file)
+                yield from _file_tensors(file, mmap)
             return
         # Files read ahead in threads (safetensors reads release the GIL), handed on in name order.
         from concurrent.futures import ThreadPoolExecutor
 
         with ThreadPoolExecutor(min(threads, len(files)), thread_name_prefix="srv-load") as pool:
-            for tensors in pool.map(lambda file: list(_file_tensors(file)), files):
+            for tensors in pool.map(lambda file: list(_file_tensors(file, mmap)), files):
                 yield from tensors
 
 
-def _file_tensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def _file_tensors(file: Path, mmap: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
 
+    if not mmap:
+        from safetensors.torch import load
+
+        tensors = load(file.read_bytes())
+        for name in tqdm(list(tensors), desc=f"loading {file.name}", unit="tensor", disable=None, leave=False):
+            yield name, tensors.pop(name)
+        return
     with safe_open(str(file), framework="pt") as f:
         names = list(f.keys())
         for name in tqdm(names, desc=f"loading {file.name}", unit="tensor", disable=None, leave=False):
