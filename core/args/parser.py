@@ -190,6 +190,13 @@ def check_launch_args(args: argparse.Namespace, parser: LaunchArgumentParser) ->
             parser.error(f"{flag} is not valid JSON: {exc}")
         if not isinstance(value, dict):
             parser.error(f"{flag} must be a JSON object")
+    if args.forward_hooks is not None:
+        from srv.engine.forward_hooks import check_forward_hooks
+
+        try:
+            check_forward_hooks(args.forward_hooks)
+        except ValueError as exc:
+            parser.error(str(exc))
     for flag in ("--scheduler-recv-interval", "--num-continuous-decode-steps"):
         if getattr(args, flag.lstrip("-").replace("-", "_")) < 1:
             parser.error(f"{flag} must be at least 1")

@@ -108,7 +108,6 @@ NOT_SUPPORTED_YET = frozenset({
     "--enable-attn-tp-input-scattered",
     "--enable-nsa-prefill-context-parallel",
     # Forward hooks
-    "--forward-hooks",
     # Debug tensor dumps
     "--debug-tensor-dump-output-folder",
     "--debug-tensor-dump-input-file",

@@ -17,6 +17,7 @@ from srv.args.flags import flag_spec
 from srv.backend_registry import AUTO, NONE, BackendRegistry, BackendUnavailable
 from srv.engine.default_model import default_model_path
 from srv.engine.expert_location import expert_placement
+from srv.engine.forward_hooks import register_forward_hooks
 from srv.engine.lora import LoRAAdapter, LoRAManager, lora_target_modules, parse_lora_paths
 from srv.engine.pooling import Pooling
 from srv.sdk.attention import AttentionBackend, ForwardBatch, ForwardMode, KVCache, KVCacheDtype
@@ -143,6 +144,8 @@ class ModelRunner:
         impl.finalize(self.model)
         if args.enable_fp32_lm_head and self.dtype != torch.float32 and not self.is_embedding:
             use_float32_head(self.model)
+        if args.forward_hooks:
+            register_forward_hooks(self.model, args.forward_hooks)
         self.lora = self._load_lora() if args.enable_lora or args.lora_paths else None
         logger.info("loaded %s (%s, %s) in %.1fs", path.name, self.config.architectures[0], self.dtype,
                     time.monotonic() - started)

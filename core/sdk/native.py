@@ -22,7 +22,7 @@ import os
 import shutil
 import subprocess
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from srv.sdk.paths import cache_root, write_atomically
 
@@ -78,6 +78,12 @@ def pick_isa(ladder: dict[str, tuple[str, ...]], override: str) -> str:
             raise ValueError(f"{override}={forced}: one of {', '.join(ladder)}")
         return forced
     return next((name for name, flags in ladder.items() if requires_cpu_flags(*flags)().ok), list(ladder)[-1])
+
+
+def has_forward_hooks(model: Any) -> bool:
+    """Whether any module of `model` holds a forward hook or pre-hook (`--forward-hooks`, or a
+    plugin's): a model then runs its layers in Python, where torch calls them, not in one C call."""
+    return any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
 
 
 class NativeKernel(ctypes.Structure):

@@ -23,7 +23,7 @@ from srv.sdk.layers import (MergedColumnParallelLinear, Sharding, ParallelLMHead
 from srv.sdk.linear import checkpoint_key, load_weight, shard_rows
 from srv.sdk.models import ModelOutput
 from srv.sdk.parallel import ParallelContext
-from srv.sdk.native import NativeBuildError, NativeKernel, load_c_library
+from srv.sdk.native import NativeBuildError, NativeKernel, has_forward_hooks, load_c_library
 
 logger = logging.getLogger("srv.models")
 
@@ -383,7 +383,7 @@ class LlamaForCausalLM(nn.Module):
         return x, residual
 
     def _native_layers(self, rows: int, products: torch.dtype) -> ctypes.Array | None:
-        if kernels() is None:
+        if kernels() is None or has_forward_hooks(self):   # a hooked module runs where torch calls its hooks
             return None
         layers = []
         for layer in self.layers:
