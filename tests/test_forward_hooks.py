@@ -78,3 +78,25 @@ def test_malformed_specs_are_refused_at_launch(specs, message, capsys):
 def test_specs_that_match_nothing_or_do_not_import_fail_the_start(tiny_models, spec, message):
     with pytest.raises(ValueError, match=message):
         srv.Engine(model_path=str(tiny_models["llama"]), dtype="float32", forward_hooks=hooks(spec))
+
+
+def test_tensor_dumps_of_two_implementations_compare_layer_by_layer(tiny_models, tmp_path):
+    """--debug-tensor-dump-output-folder: a file a forward pass of each module's output; srv's
+    layers and transformers' give the same embedding and logits (and the layers agree, srv's
+    layer output being transformers' less the residual it keeps apart)."""
+    prompt, passes = [3, 9, 27, 4, 8], 3
+    for impl in ("auto", "transformers"):
+        with make_engine(tiny_models["llama"], model_impl=impl, debug_tensor_dump_output_folder=str(tmp_path / impl),
+                         disable_radix_cache=True) as engine:
+            engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": passes, "temperature": 0,
+                                                               "ignore_eos": True})
+    native = [torch.load(f) for f in sorted((tmp_path / "auto" / "TP0_PP0").glob("pass*.pt"))]
+    hf = [torch.load(f) for f in sorted((tmp_path / "transformers" / "TP0_PP0").glob("pass*.pt"))]
+    assert len(native) == len(hf) >= passes
+    first, reference = native[0], hf[0]
+    assert {"embed_tokens", "layers.0.0", "layers.0.1", "lm_head"} <= set(first)
+    assert {"hf.model.embed_tokens", "hf.model.layers.0", "hf.lm_head"} <= set(reference)
+    assert torch.equal(first["embed_tokens"], reference["hf.model.embed_tokens"][0])
+    layer = first["layers.0.0"] + first["layers.0.1"]   # srv's output and the residual it carries
+    assert torch.allclose(layer, reference["hf.model.layers.0"][0], atol=1e-5)
+    assert torch.allclose(first["lm_head"], reference["hf.lm_head"][0], atol=1e-4)

@@ -109,7 +109,6 @@ NOT_SUPPORTED_YET = frozenset({
     "--enable-nsa-prefill-context-parallel",
     # Forward hooks
     # Debug tensor dumps
-    "--debug-tensor-dump-output-folder",
     "--debug-tensor-dump-input-file",
     "--debug-tensor-dump-inject",
     "--enable-dynamic-batch-tokenizer",

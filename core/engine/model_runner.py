@@ -20,6 +20,7 @@ from srv.engine.expert_location import expert_placement
 from srv.engine.forward_hooks import register_forward_hooks
 from srv.engine.lora import LoRAAdapter, LoRAManager, lora_target_modules, parse_lora_paths
 from srv.engine.pooling import Pooling
+from srv.engine.tensor_dump import TensorDumper
 from srv.sdk.attention import AttentionBackend, ForwardBatch, ForwardMode, KVCache, KVCacheDtype
 from srv.sdk.moe import EPLBAlgorithm, FusedMoE, MoEBackends, config_num_experts
 from srv.sdk.layers import use_float32_head
@@ -146,6 +147,8 @@ class ModelRunner:
             use_float32_head(self.model)
         if args.forward_hooks:
             register_forward_hooks(self.model, args.forward_hooks)
+        if args.debug_tensor_dump_output_folder:
+            TensorDumper(self.model, args.debug_tensor_dump_output_folder, self.parallel.tp_rank, self.parallel.pp_rank)
         self.lora = self._load_lora() if args.enable_lora or args.lora_paths else None
         logger.info("loaded %s (%s, %s) in %.1fs", path.name, self.config.architectures[0], self.dtype,
                     time.monotonic() - started)
