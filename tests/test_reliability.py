@@ -270,6 +270,7 @@ def test_a_request_waiting_for_the_tokenizer_holds_up_no_other(tiny_models):
     scheduler.add(stopping)
     scheduler.add(aborted)
     assert not stopping.output_ids and stopping not in scheduler.waiting
+    assert scheduler.queued == [stopping, aborted]   # what /get_load and the status count as waiting
     run_until(scheduler, lambda: running.finished)   # the loader still waits: no step blocked
     assert scheduler.abort("aborted") is aborted and aborted.finish_reason.value == "abort"
     loaded.set()

@@ -270,6 +270,11 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @property
+    def queued(self) -> list[Req]:
+        """The requests not running yet: those waiting for the tokenizer, then the waiting queue."""
+        return [*self._awaiting_tokenizer, *self.waiting]
+
     # ---- KV memory -----------------------------------------------------------------------
 
     def _make_room(self, tokens: int) -> bool:

@@ -227,7 +227,7 @@ class SchedulerLoop:
         return True
 
     def _abort_all(self) -> None:
-        for req in [*self.scheduler.running, *self.scheduler.waiting]:
+        for req in [*self.scheduler.running, *self.scheduler.queued]:
             self.scheduler.abort(req.rid)
             self._control_outputs.append(self._output(req))
 
@@ -240,7 +240,7 @@ class SchedulerLoop:
 
     def control_load(self) -> dict[str, Any]:
         scheduler = self.scheduler
-        return {"num_reqs": len(scheduler.running) + len(scheduler.waiting), "num_waiting_reqs": len(scheduler.waiting),
+        return {"num_reqs": len(scheduler.running) + len(scheduler.queued), "num_waiting_reqs": len(scheduler.queued),
                 "num_tokens": scheduler.kv_tokens_in_use()}
 
     def control_update_weights_from_disk(self, model_path: str | None = None, load_format: str | None = None,
@@ -402,7 +402,7 @@ class SchedulerLoop:
         return {
             "pid": os.getpid(),
             "running_requests": len(scheduler.running),
-            "waiting_requests": len(scheduler.waiting),
+            "waiting_requests": len(scheduler.queued),
             "kv_tokens_in_use": scheduler.kv_tokens_in_use(),
             "kv_capacity_tokens": scheduler.allocator.capacity_tokens,
             "prefix_cached_tokens": scheduler.tree.cached_tokens if scheduler.tree is not None else 0,
