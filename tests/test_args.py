@@ -239,7 +239,7 @@ EXPECTED_NOT_SUPPORTED_YET = {
     "--delete-ckpt-after-loading", "--enable-weights-cpu-backup",
     "--flashinfer-mla-disable-ragged", "--disable-shared-experts-fusion",
     "--disable-chunked-prefix-cache", "--disable-fast-image-processor", "--keep-mm-feature-on-device",
-    "--numa-node", "--enable-layerwise-nvtx-marker", "--enable-attn-tp-input-scattered",
+    "--enable-layerwise-nvtx-marker", "--enable-attn-tp-input-scattered",
     "--enable-nsa-prefill-context-parallel", "--debug-tensor-dump-input-file",
     "--debug-tensor-dump-inject", "--enable-dynamic-batch-tokenizer", "--dynamic-batch-tokenizer-batch-size", "--dynamic-batch-tokenizer-batch-timeout",
     "--disaggregation-mode", "--disaggregation-transfer-backend", "--disaggregation-bootstrap-port", "--disaggregation-decode-tp",

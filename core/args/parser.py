@@ -197,6 +197,14 @@ def check_launch_args(args: argparse.Namespace, parser: LaunchArgumentParser) ->
             check_forward_hooks(args.forward_hooks)
         except ValueError as exc:
             parser.error(str(exc))
+    if args.numa_node:
+        from srv.engine.numa import check_numa_nodes
+
+        ranks = args.tensor_parallel_size * args.pipeline_parallel_size // max(args.nnodes, 1)
+        try:
+            check_numa_nodes(args.numa_node, args.data_parallel_size * max(ranks, 1))
+        except ValueError as exc:
+            parser.error(str(exc))
     for flag in ("--scheduler-recv-interval", "--num-continuous-decode-steps"):
         if getattr(args, flag.lstrip("-").replace("-", "_")) < 1:
             parser.error(f"{flag} must be at least 1")

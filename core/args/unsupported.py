@@ -103,7 +103,6 @@ NOT_SUPPORTED_YET = frozenset({
     "--disable-chunked-prefix-cache",
     "--disable-fast-image-processor",
     "--keep-mm-feature-on-device",
-    "--numa-node",
     "--enable-layerwise-nvtx-marker",
     "--enable-attn-tp-input-scattered",
     "--enable-nsa-prefill-context-parallel",

@@ -174,9 +174,16 @@ def join_as_rank_zero(args: Namespace) -> ParallelGroup:
     return group
 
 
-def torch_threads(args: Namespace) -> int:
+def torch_threads(args: Namespace, index: int = 0) -> int:
     """Threads for each process that computes: this machine's cores shared among the ranks it
-    runs, in each data-parallel group."""
+    runs, in each data-parallel group; under --numa-node, the cores of this process's node
+    (the `index`-th entry) shared among the processes bound to it."""
+    if args.numa_node:
+        from srv.engine.numa import node_cpus
+
+        processes = len(local_ranks(args)) * args.data_parallel_size
+        node = args.numa_node[index]
+        return max(1, len(node_cpus(node)) // args.numa_node[:processes].count(node))
     return max(1, len(os.sched_getaffinity(0)) // (len(local_ranks(args)) * args.data_parallel_size))
 
 
@@ -186,8 +193,13 @@ def run_rank(args: Namespace, rank: int, address: str) -> None:
     from srv.engine.model_runner import ModelRunner
     from srv.plugin_manager import load_plugins
 
+    index = rank - local_ranks(args)[0]
+    if args.numa_node:
+        from srv.engine.numa import bind_to_numa_node
+
+        bind_to_numa_node(args.numa_node[index])
     if "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(torch_threads(args))
+        torch.set_num_threads(torch_threads(args, index))
     parent = os.getppid()
 
     def exit_with_parent() -> None:

@@ -4,6 +4,7 @@ import (about two seconds) at once; `srv.server.scheduler_process` is the server
 
 from __future__ import annotations
 
+import copy
 import logging
 import multiprocessing
 import os
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from srv.engine.diagnostics import install_gc_warning
+from srv.engine.numa import bind_to_numa_node
 
 if TYPE_CHECKING:   # pydantic, which it imports, would delay the import of torch
     from srv.engine.limits import RequestLimits
@@ -69,6 +71,8 @@ def run_scheduler_process(args: Namespace, sockets: SchedulerSockets) -> None:
     """Entry point of the child process."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logger.info("scheduler process %d started", os.getpid())
+    if args.numa_node:
+        bind_to_numa_node(args.numa_node[0])
     # Ctrl-C in a terminal, or a signal to the whole process group, reaches this process too:
     # the server process shuts it down in order (Shutdown), or it exits once that one is gone.
     for signum in (signal.SIGINT, signal.SIGTERM):
@@ -231,12 +235,17 @@ def spawn_scheduler_processes(args: Namespace, early: EarlyScheduler | None = No
     spawned = []
     for group in range(args.data_parallel_size):
         sockets = SchedulerSockets(tempfile.mkdtemp(prefix="srv-"))
+        group_args = args
+        if args.numa_node:   # each group's processes first: srv.engine.numa
+            group_args = copy.copy(args)
+            start = group * (args.tensor_parallel_size * args.pipeline_parallel_size // args.nnodes)
+            group_args.numa_node = args.numa_node[start:] + args.numa_node[:start]
         if group == 0 and early is not None:
-            process = early.start(args, sockets)
+            process = early.start(group_args, sockets)
         else:
             process = multiprocessing.get_context("spawn").Process(
                 target=run_scheduler_process, name=f"srv-scheduler-{group}" if group else "srv-scheduler",
-                daemon=True, args=(args, sockets))
+                daemon=True, args=(group_args, sockets))
             process.start()
         spawned.append(SpawnedScheduler(process, sockets))
     return spawned
