@@ -205,7 +205,9 @@ def check_launch_args(args: argparse.Namespace, parser: LaunchArgumentParser) ->
             check_numa_nodes(args.numa_node, args.data_parallel_size * max(ranks, 1))
         except ValueError as exc:
             parser.error(str(exc))
-    for flag in ("--scheduler-recv-interval", "--num-continuous-decode-steps"):
+    if args.dynamic_batch_tokenizer_batch_timeout < 0:
+        parser.error("--dynamic-batch-tokenizer-batch-timeout must be at least 0")
+    for flag in ("--scheduler-recv-interval", "--num-continuous-decode-steps", "--dynamic-batch-tokenizer-batch-size"):
         if getattr(args, flag.lstrip("-").replace("-", "_")) < 1:
             parser.error(f"{flag} must be at least 1")
     if args.device not in (None, "cpu"):

@@ -78,7 +78,6 @@ NOT_SUPPORTED_YET = frozenset({
     "--enable-nccl-nvls",
     "--enable-symm-mem",
     "--disable-flashinfer-cutlass-moe-fp4-allgather",
-    "--enable-tokenizer-batch-encode",
     "--enable-mscclpp",
     "--enable-torch-symm-mem",
     "--enable-dp-attention",
@@ -110,9 +109,6 @@ NOT_SUPPORTED_YET = frozenset({
     # Debug tensor dumps
     "--debug-tensor-dump-input-file",
     "--debug-tensor-dump-inject",
-    "--enable-dynamic-batch-tokenizer",
-    "--dynamic-batch-tokenizer-batch-size",
-    "--dynamic-batch-tokenizer-batch-timeout",
     # PD disaggregation
     "--disaggregation-mode",
     "--disaggregation-transfer-backend",

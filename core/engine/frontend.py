@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any, AsyncIterator, Callable, TypeVar
 
+from srv.engine.batch_tokenizer import DynamicBatchTokenizer, encode_batch
 from srv.engine.grammar import GrammarCompiler
 from srv.engine.io import AbortRequest, ControlRequest, ControlResult, GenerateRequest, RequestOutput
 from srv.engine.limits import RequestLimits
@@ -77,6 +78,9 @@ class Frontend:
         # One thread for the front end's CPU work (tokenizing, chat templates): a 5 MB prompt
         # takes seconds to tokenize, and the event loop must answer /health meanwhile.
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="srv-frontend-worker")
+        self._batcher = (DynamicBatchTokenizer(tokenizer, server_args.dynamic_batch_tokenizer_batch_size,
+                                               server_args.dynamic_batch_tokenizer_batch_timeout, self.off_loop)
+                         if tokenizer is not None and server_args.enable_dynamic_batch_tokenizer else None)
         self._queues: dict[str, asyncio.Queue] = {}
         self._calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
@@ -140,9 +144,32 @@ class Frontend:
         try:
             if self._tokenizer_pool is not None and add_special_tokens:
                 return await self._tokenizer_pool.encode(prompt)
+            if self._batcher is not None:
+                return await self._batcher.encode(prompt, add_special_tokens)
             return await self.off_loop(lambda: self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
         except (TypeError, ValueError) as exc:   # what tokenizers raise on text they cannot take
             raise InvalidRequest(f"the prompt could not be tokenized: {exc}") from None
+
+    async def tokenize_together(self, prompts: list[str | None],
+                                input_ids: list[list[int] | None]) -> list[list[int] | None]:
+        """--enable-tokenizer-batch-encode: the ids of a call's text prompts, encoded in one
+        tokenizer call where it has several (given ids are kept; a text is checked as `tokenize`
+        checks it)."""
+        texts = [i for i, (p, ids) in enumerate(zip(prompts, input_ids)) if ids is None and p is not None]
+        if len(texts) < 2 or self.tokenizer is None or not self.args.enable_tokenizer_batch_encode:
+            return input_ids
+        for i in texts:
+            if not isinstance(prompts[i], str):
+                raise InvalidRequest("the prompt must be a string")
+            check_text(prompts[i])
+        try:
+            encoded = await self.off_loop(lambda: encode_batch(self.tokenizer, [prompts[i] for i in texts]))
+        except (TypeError, ValueError) as exc:
+            raise InvalidRequest(f"the prompts could not be tokenized: {exc}") from None
+        together = list(input_ids)
+        for i, ids in zip(texts, encoded):
+            together[i] = ids
+        return together
 
     async def check_logit_processor(self, text: str) -> None:
         if not self.args.enable_custom_logit_processor:
@@ -257,6 +284,7 @@ class Frontend:
         prefilled once first, so its choices find it in the prefix cache. Either every request of
         the call is queued or none is; the caller follows them (`follow`) or `release`s them.
         With `session`, the one prompt is a turn of that session (srv.engine.sessions)."""
+        input_ids = await self.tokenize_together(prompts, input_ids)
         if session is not None:
             if len(prompts) != 1:
                 raise InvalidRequest("a session's turn is one prompt", "session_params")
@@ -291,6 +319,7 @@ class Frontend:
         if not self.limits.embedding:
             raise InvalidRequest("the served model generates text: embeddings need an embedding model "
                                  "(an encoder, or --is-embedding)")
+        input_ids = await self.tokenize_together(prompts, input_ids)
         prepared = [(await self.tokenize(prompt, ids), None) for prompt, ids in zip(prompts, input_ids)]
         return await self._embed_prepared(prepared, labels)
 
