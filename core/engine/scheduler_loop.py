@@ -149,7 +149,7 @@ class SchedulerLoop:
         self.profiler.after_step()
         if self.experts is not None and self.experts.active:
             counts = self.experts.after_pass()
-            if counts is not None:
+            if counts is not None and not self._placing:   # a placement still moving finishes first
                 self._rebalance_experts(counts)
         if self._placing:
             self._place_chunk()
@@ -359,8 +359,7 @@ class SchedulerLoop:
         num_physical = counts.shape[1] + (args.ep_num_redundant_experts or 0)
         started = time.monotonic()
         plan = runner.eplb_algorithm.plan(counts, num_physical, ranks, *placement_span(args, runner.config))
-        self._placing = [(i, plan[i]) for i in ids]
-        self._place_chunk()
+        self._placing = [(i, plan[i]) for i in ids]   # placed from this step on (_place_chunk)
         logger.info("expert placement planned by %d routed tokens in %.3fs (balancedness %.3f, rank utilization "
                     "%.3f before)", int(counts.sum()), time.monotonic() - started, balancedness(counts), utilization)
 

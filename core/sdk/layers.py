@@ -189,7 +189,7 @@ class Float32Head(nn.Module):
 def use_float32_head(model: nn.Module) -> None:
     """Put a Float32Head in place of `model`'s vocabulary head: the module a transformers model's
     `get_output_embeddings()` names, else the one called `lm_head`, wherever it sits."""
-    for name, module in model.named_modules():
+    for module in model.modules():
         get = getattr(module, "get_output_embeddings", None)
         head = get() if callable(get) else None
         if head is not None:
