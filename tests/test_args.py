@@ -213,7 +213,6 @@ EXPECTED_NOT_SUPPORTED_YET = {
     "--base-gpu-id",
     "--gpu-id-step", "--sleep-on-idle", "--mm-process-config", 
     
-    "--enable-metrics-for-all-schedulers", 
     
     
     "--kv-events-config", 

@@ -3,6 +3,7 @@ spreads requests as each `--load-balance-method` promises, and replies merged ov
 
 from __future__ import annotations
 
+import re
 import threading
 
 import httpx
@@ -88,7 +89,8 @@ def test_unknown_method_is_refused():
 
 
 def test_dp2_server_gives_each_request_its_output_alone_and_spreads_them_round_robin():
-    server = Server("--dp-size", "2", "--skip-server-warmup", "--max-total-tokens", "4096")
+    server = Server("--dp-size", "2", "--skip-server-warmup", "--max-total-tokens", "4096",
+                    "--enable-metrics", "--enable-metrics-for-all-schedulers")
     try:
         prompts = ["The capital of France is", "One, two, three, four,", "def add(a, b):", "Water boils at"]
 
@@ -115,5 +117,9 @@ def test_dp2_server_gives_each_request_its_output_alone_and_spreads_them_round_r
         assert groups[0]["prompt_tokens"] > 0 and groups[1]["prompt_tokens"] > 0
         assert status["prompt_tokens"] == sum(g["prompt_tokens"] for g in groups)
         assert status["generated_tokens"] == sum(g["generated_tokens"] for g in groups)
+        # --enable-metrics-for-all-schedulers: each group's gauges, labelled with its rank.
+        metrics = httpx.get(f"{server.base}/metrics", timeout=30).text
+        for rank in ("0", "1"):
+            assert re.search(r'sglang:num_used_tokens\{[^}]*dp_rank="%s"' % rank, metrics), metrics[:2000]
     finally:
         assert server.stop() == 0

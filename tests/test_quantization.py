@@ -128,6 +128,26 @@ def test_the_dense_copies_of_gguf_layers_hold_their_weights_once():
             assert used and all(c.weight is None for c in used)
 
 
+def test_the_dense_copies_are_reordered_in_the_first_pause(monkeypatch):
+    """oneDNN's reorders of the dense copies, deferred from the launch, run once the traffic
+    pauses, so that the first long prompt does not pay them; a request meanwhile is served."""
+    import time
+
+    from srv.sdk.packed_linear import can_pack
+
+    if not can_pack(torch.float32):
+        pytest.skip("oneDNN does not compute float32 here")
+    monkeypatch.setattr("srv.engine.scheduler.TOKENIZER_IDLE_S", 0.05)
+    with srv.Engine(dtype="float32") as engine:
+        copies = [m.dense for m in engine.runner.model.modules() if isinstance(m, GGUFLinear)]
+        assert engine.generate("Hi", {"max_new_tokens": 2, "temperature": 0})["meta_info"]["completion_tokens"] == 2
+        deadline = time.monotonic() + 60
+        while any(c.unpacked for c in copies) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(c.unpacked for c in copies) and all(c.weight is None for c in copies)
+        assert engine.generate("Hi", {"max_new_tokens": 2, "temperature": 0})["meta_info"]["completion_tokens"] == 2
+
+
 PROMPTS = ("The capital of France is", "def fibonacci(n):", "Hi")
 
 

@@ -28,7 +28,6 @@ NOT_SUPPORTED_YET = frozenset({
     "--sleep-on-idle",
     "--mm-process-config",
     # Logging
-    "--enable-metrics-for-all-schedulers",
     "--kv-events-config",
     # Data parallelism
     "--load-watch-interval",

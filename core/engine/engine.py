@@ -70,7 +70,8 @@ class Engine:
                 outputs = []
                 try:
                     if loop.receives_now():
-                        message = self._inbox.get(timeout=0.1) if not loop.has_work else self._inbox.get_nowait()
+                        wait = loop.wait_s
+                        message = self._inbox.get(timeout=wait) if wait else self._inbox.get_nowait()
                         while True:
                             outputs += loop.handle(message)
                             message = self._inbox.get_nowait()

@@ -24,6 +24,7 @@ from srv.engine.tensor_dump import TensorDumper
 from srv.sdk.attention import AttentionBackend, ForwardBatch, ForwardMode, KVCache, KVCacheDtype
 from srv.sdk.moe import EPLBAlgorithm, FusedMoE, MoEBackends, config_num_experts
 from srv.sdk.layers import use_float32_head
+from srv.sdk.packed_linear import PackedLinear
 from srv.sdk.models import ModelConfig, ModelImpl, ModelLoader, ModelOutput, materialize
 from srv.sdk.parallel import ParallelContext, is_collective_failure
 from srv.sdk.quantization import QuantizationMethod
@@ -349,6 +350,19 @@ class ModelRunner:
                 prefix_lens=prefix_lens, extend_lens=extend_lens, logits_indices=logits_indices, mode=mode,
                 capture_layers=capture_layers, token_type_ids=token_type_ids))
         return self._checked_output(self.model(batch), batch)
+
+    def prepare_when_idle(self, budget_s: float) -> bool:
+        """Run the one-time work the model deferred from its load (oneDNN's reorders of its dense
+        layers, `PackedLinear.pack`) for up to about `budget_s`; whether any is left. Every rank
+        does its own share."""
+        self._broadcast("prepare_when_idle", budget_s=budget_s)
+        started = time.perf_counter()
+        for module in self.model.modules() if self.model is not None else ():
+            if isinstance(module, PackedLinear) and module.unpacked:
+                if time.perf_counter() - started >= budget_s:
+                    return True
+                module.pack()
+        return False
 
     def _broadcast(self, name: str, **payload: Any) -> None:
         """Rank 0 of a tensor-parallel group: have every rank run the same command."""

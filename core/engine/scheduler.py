@@ -60,6 +60,9 @@ PREFETCH_POLL_S = 0.01
 # TOKENIZER_IDLE_S, and at the latest TOKENIZER_LATEST_S after it was asked for.
 TOKENIZER_IDLE_S = 0.5
 TOKENIZER_LATEST_S = 5.0
+# In the same pauses, the model's deferred one-time work (see ModelRunner.prepare_when_idle) runs
+# in stretches of at most this long, so that a request arriving meanwhile waits little.
+PREPARE_STRETCH_S = 0.02
 
 
 @dataclass
@@ -109,6 +112,8 @@ class Scheduler:
         self._tokenizer_due: float | None = None   # the latest time.monotonic() to start loading it
         self._busy_at = time.monotonic()           # when the last step ran a batch
         self._awaiting_tokenizer: list[Req] = []   # requests added while it loads (see add)
+        self._preparing = True   # the model may have deferred work for a pause (prepare_when_idle)
+        self._started_at = time.monotonic()
         page_size = args.page_size
         capacity = runner.kv_capacity_tokens()
         self.allocator = PagedSlotAllocator(capacity // page_size + 1, page_size)
@@ -167,6 +172,11 @@ class Scheduler:
         if self._tokenizer_due is not None and (now >= self._tokenizer_due or now - self._busy_at >= TOKENIZER_IDLE_S):
             self._tokenizer_due = None
             self.start_loading_tokenizer()
+
+    @property
+    def preparing_now(self) -> bool:
+        """Whether the model's deferred work is left and the traffic has paused for it."""
+        return self._preparing and not self.has_work and time.monotonic() - self._busy_at >= TOKENIZER_IDLE_S
 
     @property
     def tokenizer(self) -> Any:
@@ -538,6 +548,11 @@ class Scheduler:
         if not batch:
             if self.waiting and self.tree is not None:
                 self.tree.wait_for_prefetch(PREFETCH_POLL_S)
+            elif self.preparing_now:
+                self._preparing = self.runner.prepare_when_idle(PREPARE_STRETCH_S)
+                if not self._preparing:
+                    logger.info("the model's deferred preparation is done (in the pauses since %.1f s after launch)",
+                                time.monotonic() - self._started_at)
             return []
         self._in_step = [item.req for item in batch]
         scheduled_at = time.perf_counter()

@@ -63,6 +63,12 @@ class SchedulerLoop:
     def has_work(self) -> bool:
         return self.scheduler.has_work and not self.paused
 
+    @property
+    def wait_s(self) -> float:
+        """How long to wait for a message before the next step: not at all while there is work
+        (or deferred preparation in a pause), else a tenth of a second."""
+        return 0.0 if self.has_work or (self.scheduler.preparing_now and not self.paused) else 0.1
+
     def handle(self, message: Message) -> list[RequestOutput | ControlResult]:
         if isinstance(message, GenerateRequest):
             req = Req(message.rid, message.input_ids, message.params, priority=message.priority,

@@ -66,9 +66,10 @@ class DenseContext(ctypes.Structure):
 
 
 class PackedLinear(nn.Module):
-    """Reorders its weight at its first product that oneDNN computes, not when built: a
-    layer only some batches use (gguf's dense copies serve long prefills alone) costs nothing
-    until then, and the 121 reorders of the default model (0.3-0.4 s) stay out of the launch.
+    """Reorders its weight at its first product that oneDNN computes, or in the first pause of
+    the traffic (`pack`, which the scheduler calls), not when built: the 121 reorders of the
+    default model (0.3-0.4 s) stay out of the launch, and out of the first long prompt's prefill
+    where the server had a moment before it.
 
     With `keep_rows` the row-major weight stays beside the blocked one, and float32 steps of
     fewer than NATIVE_ROWS[weight dtype] rows are the row-major kernel's (in Python and from C
@@ -116,14 +117,27 @@ class PackedLinear(nn.Module):
         if self.packed_weight is None:
             if not self.packs:   # a dtype oneDNN cannot compute here (bf16 without AVX-512 BF16)
                 return F.linear(x, self.weight, self.bias)
-            # oneDNN picks the blocking for this many rows. In float32 a hint of 1 made 16- and
-            # 64-row products 1.3-1.5x slower than a hint of 16 or 64, which cost one row nothing.
-            self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight, 64)
-            if not self.keep_rows:
-                self.weight = None
+            self.pack()
         out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, self.in_features), self.packed_weight, self.bias,
                                                  "none", [], "")
         return out.view(*shape[:-1], self.out_features)
+
+
+    @property
+    def unpacked(self) -> bool:
+        """Whether oneDNN would reorder the weight at its first product (`pack` does it now)."""
+        return self.packs and self.packed_weight is None
+
+    def pack(self) -> None:
+        """The weight in oneDNN's blocked layout, reordered once: at the first product oneDNN
+        computes, or earlier (the scheduler does it in the first pause of the traffic)."""
+        if not self.unpacked:
+            return
+        # oneDNN picks the blocking for this many rows. In float32 a hint of 1 made 16- and
+        # 64-row products 1.3-1.5x slower than a hint of 16 or 64, which cost one row nothing.
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight, 64)
+        if not self.keep_rows:
+            self.weight = None
 
 
 def can_pack(dtype: torch.dtype) -> bool:

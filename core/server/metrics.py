@@ -113,7 +113,10 @@ class ServerMetrics:
                           buckets=prompt_buckets),
                 Histogram("sglang:generation_tokens_histogram", "Generated tokens per request", labels, registry=r,
                           buckets=generation_buckets))
-        scheduler_labels = ["model_name"]
+        # --enable-metrics-for-all-schedulers: a series per scheduler (data-parallel group),
+        # labelled with its rank, instead of their sum.
+        self.per_scheduler = bool(args.enable_metrics_for_all_schedulers)
+        scheduler_labels = ["model_name", "dp_rank"] if self.per_scheduler else ["model_name"]
         self.gauges = {
             "running_requests": Gauge("sglang:num_running_reqs", "Requests running", scheduler_labels, registry=r),
             "waiting_requests": Gauge("sglang:num_queue_reqs", "Requests waiting", scheduler_labels, registry=r),
@@ -176,6 +179,15 @@ class ServerMetrics:
             self.token_histograms[1].labels(*labels).observe(len(state.output_ids))
 
     def exposition(self, status: dict[str, Any]) -> tuple[bytes, str]:
+        if self.per_scheduler:
+            for rank, group in enumerate(status.get("data_parallel_groups") or [status]):
+                self._set_gauges(group, self.model_name, str(rank))
+        else:
+            self._set_gauges(status, self.model_name)
+        self.hicache.values = status.get("hicache") or {}
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    def _set_gauges(self, status: dict[str, Any], *labels: str) -> None:
         values = {
             **status,
             "token_usage": status["kv_tokens_in_use"] / max(status["kv_capacity_tokens"], 1),
@@ -183,6 +195,4 @@ class ServerMetrics:
         }
         for key, gauge in self.gauges.items():
             if values.get(key) is not None:   # the expert balancedness before its first window
-                gauge.labels(self.model_name).set(values[key])
-        self.hicache.values = status.get("hicache") or {}
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+                gauge.labels(*labels).set(values[key])

@@ -134,7 +134,7 @@ def _serve(loop: Any, watchdog: "Watchdog", requests: zmq.Socket, outputs: zmq.S
     poller.register(requests, zmq.POLLIN)
     while True:
         outs: list[Any] = []
-        timeout = 0 if loop.has_work else 100
+        timeout = int(loop.wait_s * 1000)
         receiving = loop.receives_now()
         while receiving and poller.poll(timeout):
             message = requests.recv_pyobj()
