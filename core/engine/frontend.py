@@ -67,6 +67,13 @@ def check_text(text: str, what: str = "the prompt") -> str:
     return text
 
 
+def checked_prompt(prompt: Any) -> str:
+    """A text prompt as a tokenizer takes it, else InvalidRequest."""
+    if not isinstance(prompt, str):
+        raise InvalidRequest("the prompt must be a string")
+    return check_text(prompt)
+
+
 class Frontend:
     def __init__(self, send: Callable[[Any], None], tokenizer: Any | None, server_args: Namespace,
                  limits: RequestLimits, model_dir: str, grammars: GrammarCompiler | None = None) -> None:
@@ -138,9 +145,7 @@ class Frontend:
             raise InvalidRequest("give a prompt or input_ids")
         if self.tokenizer is None:
             raise InvalidRequest("the tokenizer is skipped (--skip-tokenizer-init): send input_ids")
-        if not isinstance(prompt, str):
-            raise InvalidRequest("the prompt must be a string")
-        check_text(prompt)
+        checked_prompt(prompt)
         try:
             if self._tokenizer_pool is not None and add_special_tokens:
                 return await self._tokenizer_pool.encode(prompt)
@@ -159,9 +164,7 @@ class Frontend:
         if len(texts) < 2 or self.tokenizer is None or not self.args.enable_tokenizer_batch_encode:
             return input_ids
         for i in texts:
-            if not isinstance(prompts[i], str):
-                raise InvalidRequest("the prompt must be a string")
-            check_text(prompts[i])
+            checked_prompt(prompts[i])
         try:
             encoded = await self.off_loop(lambda: encode_batch(self.tokenizer, [prompts[i] for i in texts]))
         except (TypeError, ValueError) as exc:

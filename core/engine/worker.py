@@ -115,7 +115,7 @@ class Worker:
             start = end
         logger.warning("NaN in the logits of requests %s (--enable-nan-detection): sampled with each NaN as -1e5",
                        rids)
-        return torch.nan_to_num(logits, nan=-1e5)
+        return logits.masked_fill(torch.isnan(logits), -1e5)
 
     # ---- forward -------------------------------------------------------------------------
 
