@@ -211,7 +211,7 @@ EXPECTED_NOT_SUPPORTED_YET = {
     "--hybrid-kvcache-ratio", "--swa-full-tokens-ratio",
     "--disable-hybrid-swa-memory", "--elastic-ep-backend", "--mooncake-ib-device",
     "--base-gpu-id",
-    "--gpu-id-step", "--sleep-on-idle", "--mm-process-config", 
+    "--gpu-id-step", "--mm-process-config", 
     
     
     

@@ -310,3 +310,28 @@ def test_scheduler_recv_interval_takes_messages_every_nth_step_while_working(tin
         assert taken == [False, False, False, True, False, False, True]
         results = engine.generate(input_ids=prompts, sampling_params=GREEDY)
     assert_matches_hf(engine, tiny_models["llama"], prompts, results)
+
+
+def test_sleep_on_idle_waits_longer_once_settled_and_a_request_still_ends_the_wait(tiny_models, monkeypatch):
+    """--sleep-on-idle: an idle scheduler with nothing left for its pauses waits up to a second
+    for a message (a tenth without the flag); a request arriving meanwhile is served at once."""
+    import time
+
+    from srv.engine.scheduler_loop import IDLE_SLEEP_S, SchedulerLoop
+
+    monkeypatch.setattr("srv.engine.scheduler.TOKENIZER_IDLE_S", 0.05)
+    def settle(engine: srv.Engine) -> SchedulerLoop:
+        engine.generate(input_ids=[3, 4, 5], sampling_params={"max_new_tokens": 1})
+        deadline = time.monotonic() + 30
+        while not engine.scheduler.settled and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return SchedulerLoop(engine.scheduler)
+
+    with make_engine(tiny_models["llama"], sleep_on_idle=True) as engine:
+        assert settle(engine).wait_s == IDLE_SLEEP_S
+        time.sleep(0.3)   # the scheduler thread is in its long wait now
+        started = time.monotonic()
+        engine.generate(input_ids=[3, 4, 5], sampling_params={"max_new_tokens": 1})
+        assert time.monotonic() - started < IDLE_SLEEP_S / 2
+    with make_engine(tiny_models["llama"]) as engine:
+        assert settle(engine).wait_s == 0.1

@@ -25,7 +25,6 @@ NOT_SUPPORTED_YET = frozenset({
     "--mooncake-ib-device",
     "--base-gpu-id",
     "--gpu-id-step",
-    "--sleep-on-idle",
     "--mm-process-config",
     # Logging
     "--kv-events-config",

@@ -174,6 +174,12 @@ class Scheduler:
             self.start_loading_tokenizer()
 
     @property
+    def settled(self) -> bool:
+        """Whether nothing is left for the pauses: the tokenizer's load started (or none is
+        asked for) and the model's deferred work done."""
+        return self._tokenizer_due is None and not self._preparing
+
+    @property
     def preparing_now(self) -> bool:
         """Whether the model's deferred work is left and the traffic has paused for it."""
         return self._preparing and not self.has_work and time.monotonic() - self._busy_at >= TOKENIZER_IDLE_S

@@ -26,6 +26,7 @@ Message = GenerateRequest | AbortRequest | ControlRequest
 
 logger = logging.getLogger("srv.scheduler")
 THROUGHPUT_WINDOW_S = 5.0
+IDLE_SLEEP_S = 1.0   # --sleep-on-idle: the longest idle wait for a message
 PAUSE_MODES = ("abort", "retract", "in_place")
 MEMORY_TAGS = ("kv_cache", "weights")
 
@@ -52,6 +53,7 @@ class SchedulerLoop:
         self._placing: list[tuple[int, list[int]]] = []
         args = scheduler.args
         self.recv_interval = args.scheduler_recv_interval
+        self.sleep_on_idle = bool(args.sleep_on_idle)
         self.continuous_decode_steps = args.num_continuous_decode_steps
         self._steps_since_receive = 0
         self._control_outputs: list[RequestOutput] = []   # what a control call ended (aborted requests)
@@ -66,8 +68,11 @@ class SchedulerLoop:
     @property
     def wait_s(self) -> float:
         """How long to wait for a message before the next step: not at all while there is work
-        (or deferred preparation in a pause), else a tenth of a second."""
-        return 0.0 if self.has_work or (self.scheduler.preparing_now and not self.paused) else 0.1
+        (or deferred preparation in a pause), else a tenth of a second; with --sleep-on-idle a
+        second once nothing is left to do in the pauses (a message ends any wait at once)."""
+        if self.has_work or (self.scheduler.preparing_now and not self.paused):
+            return 0.0
+        return IDLE_SLEEP_S if self.sleep_on_idle and self.scheduler.settled else 0.1
 
     def handle(self, message: Message) -> list[RequestOutput | ControlResult]:
         if isinstance(message, GenerateRequest):
