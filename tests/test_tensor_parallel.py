@@ -112,6 +112,19 @@ def test_tp2_greedy_tokens_match_hf_batched(tiny_models, kind):
         assert_all_kv_returned(engine)
 
 
+def test_nccl_port_is_where_the_group_forms(tiny_models):
+    """--nccl-port (SGLang's port for the distributed environment): the ranks meet there."""
+    import socket
+
+    port = free_port()
+    prompts = random_prompts(2)
+    with srv.Engine(model_path=str(tiny_models["llama"]), dtype="float32", tp_size=2, nccl_port=port) as engine:
+        with socket.create_connection(("127.0.0.1", port), timeout=5):   # rank 0's store listens there
+            pass
+        assert_matches_hf(engine, tiny_models["llama"], prompts,
+                          engine.generate(input_ids=prompts, sampling_params=GREEDY))
+
+
 def test_default_model_tp2_uneven_heads_matches_hf(default_model_dir):
     # SmolLM2-135M has 9 query heads in 3 groups: rank 0 computes two groups, rank 1 one. Its
     # GGUF blocks do not split across ranks yet: tp=2 serves the dequantized weights.
@@ -138,6 +151,7 @@ def test_default_model_pp2_keeps_its_gguf_blocks_and_matches_hf(default_model_di
     (["--pp-size", "2", "--enable-hierarchical-cache"], "--enable-hierarchical-cache with --pipeline-parallel-size"),
     (["--tp-size", "2", "--nnodes", "2"], "needs --dist-init-addr"),
     (["--node-rank", "1"], "--node-rank 1 is not one of the 1 nodes"),
+    (["--dp-size", "2", "--tp-size", "2", "--nccl-port", "29555"], "--nccl-port with --data-parallel-size > 1"),
     (["--tp-size", "2", "--quantization", "gguf"], "quantization gguf does not split"),
     (["--tp-size", "2", "--model-impl", "transformers"], "does not split models across ranks"),
 ])

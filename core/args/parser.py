@@ -239,6 +239,11 @@ def parallel_refusals(args: argparse.Namespace) -> list[str]:
     if args.data_parallel_size > 1 and args.dist_init_addr:
         refused.append("--dist-init-addr with --data-parallel-size > 1: each group forms its tensor-parallel group "
                        "on a port of its own")
+    if args.nccl_port is not None and not 0 < args.nccl_port < 65536:
+        refused.append(f"--nccl-port {args.nccl_port} is not a port")
+    if args.data_parallel_size > 1 and args.nccl_port and tp * pp > 1:
+        refused.append("--nccl-port with --data-parallel-size > 1: each group forms its tensor-parallel group on a "
+                       "port of its own")
     if nnodes > 1 and not args.dist_init_addr:
         refused.append("--nnodes > 1 needs --dist-init-addr HOST:PORT, where node 0's rank 0 forms the group")
     ep = args.expert_parallel_size

@@ -11,7 +11,6 @@ NOT_SUPPORTED_YET = frozenset({
     "--limit-mm-data-per-request",
     # HTTP server
     "--warmups",
-    "--nccl-port",
     # Quantization and data type
     "--modelopt-quant",
     "--modelopt-checkpoint-restore-path",

@@ -51,9 +51,12 @@ def local_ranks(args: Namespace) -> range:
 
 
 def init_address(args: Namespace) -> str:
-    """HOST:PORT where the group forms: --dist-init-addr, else a free port on this machine."""
+    """HOST:PORT where the group forms: --dist-init-addr, else --nccl-port (SGLang's port for the
+    distributed environment; gloo's here) or a free port on this machine."""
     if args.dist_init_addr:
         return args.dist_init_addr
+    if args.nccl_port:
+        return f"127.0.0.1:{args.nccl_port}"
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return f"127.0.0.1:{probe.getsockname()[1]}"
