@@ -235,7 +235,7 @@ EXPECTED_NOT_SUPPORTED_YET = {
     "--enable-torch-compile", "--enable-torch-compile-debug-mode", "--enable-piecewise-cuda-graph", "--piecewise-cuda-graph-tokens",
     "--torch-compile-max-bs", "--piecewise-cuda-graph-max-tokens",
     "--enable-p2p-check", "--triton-attention-reduce-in-fp32", "--triton-attention-num-kv-splits", "--triton-attention-split-tile-size",
-    "--delete-ckpt-after-loading", "--enable-weights-cpu-backup",
+    "--enable-weights-cpu-backup",
     "--flashinfer-mla-disable-ragged", "--disable-shared-experts-fusion",
     "--disable-chunked-prefix-cache", "--disable-fast-image-processor", "--keep-mm-feature-on-device",
     "--enable-layerwise-nvtx-marker", "--enable-attn-tp-input-scattered",

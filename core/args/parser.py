@@ -205,6 +205,13 @@ def check_launch_args(args: argparse.Namespace, parser: LaunchArgumentParser) ->
             check_numa_nodes(args.numa_node, args.data_parallel_size * max(ranks, 1))
         except ValueError as exc:
             parser.error(str(exc))
+    if args.delete_ckpt_after_loading:
+        if not args.model_path:
+            parser.error("--delete-ckpt-after-loading deletes --model-path's checkpoint: the embedded default "
+                         "model is not deleted")
+        if args.skip_server_warmup and args.tensor_parallel_size * args.pipeline_parallel_size > 1:
+            parser.error("--delete-ckpt-after-loading deletes the checkpoint after the warm-up, which every rank "
+                         "takes part in: it cannot be combined with --skip-server-warmup under tp or pp > 1")
     if args.dynamic_batch_tokenizer_batch_timeout < 0:
         parser.error("--dynamic-batch-tokenizer-batch-timeout must be at least 0")
     for flag in ("--scheduler-recv-interval", "--num-continuous-decode-steps", "--dynamic-batch-tokenizer-batch-size"):

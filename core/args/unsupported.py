@@ -92,7 +92,6 @@ NOT_SUPPORTED_YET = frozenset({
     "--triton-attention-reduce-in-fp32",
     "--triton-attention-num-kv-splits",
     "--triton-attention-split-tile-size",
-    "--delete-ckpt-after-loading",
     "--enable-weights-cpu-backup",
     "--flashinfer-mla-disable-ragged",
     "--disable-shared-experts-fusion",

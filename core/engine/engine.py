@@ -46,6 +46,9 @@ class Engine:
         if args.data_parallel_size > 1:
             raise ValueError("--data-parallel-size: srv.Engine runs one scheduler; `srv launch` serves data-parallel "
                              "groups behind one server")
+        if args.delete_ckpt_after_loading:
+            raise ValueError("--delete-ckpt-after-loading deletes the checkpoint after `srv launch`'s warm-up; "
+                             "srv.Engine has none (delete it once the engine is built)")
         if args.numa_node:
             raise ValueError("--numa-node binds the processes `srv launch` starts; srv.Engine computes in the process "
                              "that calls it (bind that one, with numactl or os.sched_setaffinity)")

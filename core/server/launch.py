@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
 import signal
 from argparse import Namespace
+from pathlib import Path
 from typing import Any
 
 import uvicorn
@@ -83,6 +85,8 @@ async def _serve(args: Namespace, manager: PluginManager, registry: BackendRegis
         if not args.skip_server_warmup:
             # One token through the whole path, so the first user request pays no one-time costs.
             await frontend.probe()
+        if args.delete_ckpt_after_loading:
+            delete_checkpoint(args.model_path)
         frontend.observers += [o.observe for o in (metrics, tracer, log) if o is not None]
         config = uvicorn.Config(build_app(context, manager.routes()), host=args.host, port=args.port,
                                 log_level=(args.log_level_http or args.log_level).lower())
@@ -98,6 +102,20 @@ async def _serve(args: Namespace, manager: PluginManager, registry: BackendRegis
         logger.error("exiting: %s", death[0])
         return 1
     return 0
+
+
+def delete_checkpoint(model_path: str) -> None:
+    """--delete-ckpt-after-loading: remove the checkpoint every rank has loaded (after the warm-up,
+    which every rank takes part in): the directory or file --model-path names on this machine."""
+    path = Path(model_path)
+    if not path.exists():
+        logger.warning("--delete-ckpt-after-loading: %s is not a path on this machine; nothing deleted", model_path)
+        return
+    if path.is_dir():
+        shutil.rmtree(path)
+    else:
+        path.unlink()
+    logger.info("deleted the checkpoint %s (--delete-ckpt-after-loading)", path)
 
 
 def _tool_parser(args: Namespace, registry: BackendRegistry) -> ToolCallParser | None:
