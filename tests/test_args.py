@@ -206,7 +206,6 @@ def test_server_arguments_doc_is_generated_and_fresh():
 # Flags accepted but not implemented yet, as of this commit.
 EXPECTED_NOT_SUPPORTED_YET = {
     "--enable-multimodal", "--limit-mm-data-per-request",
-    "--warmups",
     "--modelopt-quant", "--modelopt-checkpoint-restore-path", "--modelopt-checkpoint-save-path",
     "--hybrid-kvcache-ratio", "--swa-full-tokens-ratio",
     "--disable-hybrid-swa-memory", "--elastic-ep-backend", "--mooncake-ib-device",

@@ -173,6 +173,12 @@ def check_launch_args(args: argparse.Namespace, parser: LaunchArgumentParser) ->
                 parser.error(f"{spec.name}: {exc}")
         if spec.name in NOT_SUPPORTED_YET and value != defaults[spec.dest]:
             parser.error(f"{spec.name} is not supported yet")
+    for name in (args.warmups or "").split(","):   # the `warmup` family's names, comma-separated
+        if name.strip():
+            try:
+                parser.registry.choose("warmup", name.strip())
+            except BackendError as exc:
+                parser.error(f"--warmups: {exc}")
     if args.speculative_algorithm:
         for message in speculative_refusals(args):
             parser.error(message)

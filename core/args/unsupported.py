@@ -10,7 +10,6 @@ NOT_SUPPORTED_YET = frozenset({
     "--enable-multimodal",
     "--limit-mm-data-per-request",
     # HTTP server
-    "--warmups",
     # Quantization and data type
     "--modelopt-quant",
     "--modelopt-checkpoint-restore-path",

@@ -22,7 +22,9 @@ from srv.engine.build import build_scheduler
 from srv.engine.frontend import Frontend
 from srv.engine.request_state import RequestState
 from srv.engine.scheduler_loop import SchedulerLoop
+from srv.engine.warmups import FrontendWarmupClient, run_warmups, warmup_names
 from srv.plugin_manager import load_plugins
+from srv.sdk.warmup import Warmup
 
 logger = logging.getLogger("srv.engine")
 
@@ -63,6 +65,16 @@ class Engine:
         threading.Thread(target=self._events.run_forever, name="srv-frontend", daemon=True).start()
         self._thread = threading.Thread(target=self._run_scheduler, name="srv-scheduler", daemon=True)
         self._thread.start()
+        if warmup_names(args):
+            self._run(run_warmups(args, registry, self.warmup_client()))
+
+    def warmup_client(self) -> FrontendWarmupClient:
+        """The srv.sdk.warmup.WarmupClient of this engine (what `--warmups` run on)."""
+        return FrontendWarmupClient(self.frontend, self.scheduler.chunk_size, self.scheduler.max_running)
+
+    def warm_up(self, warmup: Warmup) -> None:
+        """Run a warm-up (a srv.sdk.warmup.Warmup) through this engine."""
+        self._run(warmup.run(self.warmup_client()))
 
     # ---- the scheduler thread ----------------------------------------------------------------
 

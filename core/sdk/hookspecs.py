@@ -62,6 +62,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("schedule_policy", "srv_register_schedule_policies", "request scheduling policies",
            ("--schedule-policy",)),
     Family("lora_backend", "srv_register_lora_backends", "multi-LoRA kernels", ("--lora-backend",)),
+    Family("warmup", "srv_register_warmups", "server warm-ups run before it listens", ("--warmups",)),
     Family("tool_call_parser", "srv_register_tool_call_parsers", "tool-call formats in model output",
            ("--tool-call-parser",)),
     Family("reasoning_parser", "srv_register_reasoning_parsers", "reasoning formats in model output",
@@ -116,6 +117,14 @@ def srv_register_moe_a2a_backends(register: Register) -> None:
     """Register MoE all-to-all dispatchers (`--moe-a2a-backend`).
 
     factory(server_args) -> srv.sdk.moe.MoEDispatcher
+    """
+
+
+@hookspec
+def srv_register_warmups(register: Register) -> None:
+    """Register warm-ups (`--warmups a,b`, run in order before the server listens).
+
+    factory(server_args) -> srv.sdk.warmup.Warmup
     """
 
 

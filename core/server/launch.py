@@ -24,6 +24,7 @@ from srv.server.tracing import RequestTracer
 from srv.server.request_log import RequestLog
 from srv.server.scheduler_main import SpawnedScheduler
 from srv.server.scheduler_process import SchedulerProcess
+from srv.engine.warmups import FrontendWarmupClient, run_warmups, warmup_names
 
 logger = logging.getLogger("srv.server")
 
@@ -85,6 +86,9 @@ async def _serve(args: Namespace, manager: PluginManager, registry: BackendRegis
         if not args.skip_server_warmup:
             # One token through the whole path, so the first user request pays no one-time costs.
             await frontend.probe()
+        if warmup_names(args):
+            await run_warmups(args, registry, FrontendWarmupClient(frontend, ready.model_info["chunked_prefill_size"],
+                                                                   ready.model_info["max_running_requests"]))
         if args.delete_ckpt_after_loading:
             delete_checkpoint(args.model_path)
         frontend.observers += [o.observe for o in (metrics, tracer, log) if o is not None]

@@ -103,6 +103,7 @@ def run_scheduler_process(args: Namespace, sockets: SchedulerSockets) -> None:
         "vocab_size": config.vocab_size,
         "kv_capacity_tokens": scheduler.allocator.capacity_tokens,
         "max_running_requests": scheduler.max_running,
+        "chunked_prefill_size": scheduler.chunk_size,
         "eos_token_ids": scheduler.eos_ids,
         "is_generation": not runner.is_embedding,
         "is_cross_encoder": runner.is_cross_encoder,

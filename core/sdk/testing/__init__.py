@@ -25,6 +25,7 @@ backend, and pytest runs every check of the kit on it::
 | ModelImplKit | model_impl | backend_name or impl_factory, make_model_dir | transformers |
 | QuantizationMethodKit | quantization | backend_name or method_factory, make_weight | the float32 layer |
 | SpeculativeAlgorithmKit | speculative_algorithm | backend_name or algorithm_factory, engine_flags | transformers (greedy) |
+| WarmupKit | warmup | warmup_name or warmup_factory | (contract only) |
 
 Installing srv also installs a pytest plugin (`srv.sdk.testing.pytest_plugin`) with the
 fixtures `srv_tiny_model_dir` and `srv_engine_factory`. This package needs pytest (and torch).
@@ -37,7 +38,8 @@ import pytest
 # The kits' plain `assert`s get pytest's detailed messages (registered before they are imported).
 pytest.register_assert_rewrite(*(f"{__name__}.{m}" for m in ("attention", "cache", "grammar", "hicache_storage",
                                                              "models", "lora", "moe", "quantization", "reasoning",
-                                                             "sampling", "scheduling", "speculative", "tools")))
+                                                             "sampling", "scheduling", "speculative", "tools",
+                                                             "warmup")))
 
 from srv.sdk.testing.attention import AttentionBackendKit  # noqa: E402
 from srv.sdk.testing.cache import EvictionPolicyKit  # noqa: E402
@@ -53,6 +55,7 @@ from srv.sdk.testing.sampling import SamplerKit  # noqa: E402
 from srv.sdk.testing.scheduling import SchedulePolicyKit  # noqa: E402
 from srv.sdk.testing.speculative import SpeculativeAlgorithmKit  # noqa: E402
 from srv.sdk.testing.tools import ToolCallParserKit  # noqa: E402
+from srv.sdk.testing.warmup import WarmupKit  # noqa: E402
 from srv.sdk.testing.tiny_model import (hf_greedy, random_prompts, save_tiny_tokenizer, tiny_llama,  # noqa: E402
                                         write_tiny_llama)
 
@@ -72,6 +75,7 @@ __all__ = [
     "SchedulePolicyKit",
     "SpeculativeAlgorithmKit",
     "ToolCallParserKit",
+    "WarmupKit",
     "hf_greedy",
     "random_prompts",
     "registered_temporarily",
