@@ -5,27 +5,19 @@ from __future__ import annotations
 
 import shutil
 
-import httpx
 import pytest
 
 import srv
 from srv.args.parser import parse_launch_args
 from srv.plugin_manager import load_plugins
-from test_server import AUTH, Server
+from test_server import served_once
 
 
 def test_the_checkpoint_is_deleted_once_loaded_and_the_server_serves_on(tiny_models, tmp_path):
     copy = tmp_path / "model"
     shutil.copytree(tiny_models["llama"], copy)
-    server = Server("--model-path", str(copy), "--delete-ckpt-after-loading")
-    try:
-        assert not copy.exists()
-        response = httpx.post(f"{server.base}/v1/completions", headers=AUTH, timeout=60,
-                              json={"prompt": [3, 4, 5], "max_tokens": 2})
-        assert response.status_code == 200, response.text
-    finally:
-        server.stop()
-    assert any("deleted the checkpoint" in line for line in server.output)
+    output = served_once("--model-path", str(copy), "--delete-ckpt-after-loading")   # answers after the deletion
+    assert not copy.exists() and "deleted the checkpoint" in output
 
 
 @pytest.mark.parametrize("flags,message", [

@@ -7,14 +7,13 @@ import os
 import subprocess
 import sys
 
-import httpx
 import pytest
 
 import srv
 from srv.args.parser import parse_launch_args
 from srv.engine.numa import node_cpus, parse_cpulist
 from srv.plugin_manager import load_plugins
-from test_server import AUTH, Server
+from test_server import served_once
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/sys/devices/system/node/node0"),
                                 reason="the kernel shows no NUMA nodes")
@@ -46,14 +45,8 @@ def test_binding_sets_the_affinity_to_the_nodes_cores():
 
 @pytest.mark.parametrize("flags,processes", [(["--numa-node", "0"], 1), (["--tp-size", "2", "--numa-node", "0", "0"], 2)])
 def test_the_servers_processes_bind_themselves(tiny_models, flags, processes):
-    server = Server("--model-path", str(tiny_models["llama"]), *flags, "--skip-server-warmup")
-    try:
-        response = httpx.post(f"{server.base}/v1/completions", headers=AUTH, timeout=60,
-                              json={"prompt": [3, 4, 5], "max_tokens": 2})
-        assert response.status_code == 200, response.text
-    finally:
-        server.stop()
-    assert sum("bound to NUMA node 0" in line for line in server.output) == processes, "".join(server.output)
+    output = served_once("--model-path", str(tiny_models["llama"]), *flags, "--skip-server-warmup")
+    assert output.count("bound to NUMA node 0") == processes, output
 
 
 def test_the_in_process_engine_leaves_binding_to_its_caller(tiny_models):

@@ -97,6 +97,18 @@ class Server:
         return self.process.wait(timeout=60)
 
 
+def served_once(*flags: str) -> str:
+    """Start a server with `flags`, have it complete one prompt, stop it; its output."""
+    server = Server(*flags)
+    try:
+        response = httpx.post(f"{server.base}/v1/completions", headers=AUTH, timeout=60,
+                              json={"prompt": [3, 4, 5], "max_tokens": 2})
+        assert response.status_code == 200, response.text
+    finally:
+        server.stop()
+    return "".join(server.output)
+
+
 @pytest.fixture(scope="module")
 def server():
     server = Server("--api-key", API_KEY)

@@ -3,13 +3,12 @@ unknown name is refused at launch."""
 
 from __future__ import annotations
 
-import httpx
 import pytest
 
 from srv.args.parser import parse_launch_args
 from srv.plugin_manager import load_plugins
 from srv.sdk.testing import WarmupKit
-from test_server import AUTH, Server
+from test_server import served_once
 
 
 class TestLongPrefillKit(WarmupKit):
@@ -21,14 +20,7 @@ class TestDecodeBatchKit(WarmupKit):
 
 
 def test_the_server_runs_its_warmups_before_it_listens(tiny_models):
-    server = Server("--model-path", str(tiny_models["llama"]), "--warmups", "long_prefill,decode_batch")
-    try:
-        response = httpx.post(f"{server.base}/v1/completions", headers=AUTH, timeout=60,
-                              json={"prompt": [3, 4, 5], "max_tokens": 2})
-        assert response.status_code == 200, response.text
-    finally:
-        server.stop()
-    lines = "".join(server.output)
+    lines = served_once("--model-path", str(tiny_models["llama"]), "--warmups", "long_prefill,decode_batch")
     done = [lines.index(f"warm-up {name} done") for name in ("long_prefill", "decode_batch")]
     assert done == sorted(done) and max(done) < lines.index("serving ")
 
