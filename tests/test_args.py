@@ -238,7 +238,7 @@ EXPECTED_NOT_SUPPORTED_YET = {
     "--flashinfer-mla-disable-ragged", "--disable-shared-experts-fusion",
     "--disable-chunked-prefix-cache", "--disable-fast-image-processor", "--keep-mm-feature-on-device",
     "--enable-layerwise-nvtx-marker", "--enable-attn-tp-input-scattered",
-    "--enable-nsa-prefill-context-parallel", "--debug-tensor-dump-input-file",
+    "--enable-nsa-prefill-context-parallel", 
     "--debug-tensor-dump-inject",
     "--disaggregation-mode", "--disaggregation-transfer-backend", "--disaggregation-bootstrap-port", "--disaggregation-decode-tp",
     "--disaggregation-decode-dp", "--disaggregation-prefill-pp", "--disaggregation-ib-device", "--disaggregation-decode-enable-offload-kvcache",

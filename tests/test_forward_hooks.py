@@ -100,3 +100,23 @@ def test_tensor_dumps_of_two_implementations_compare_layer_by_layer(tiny_models,
     layer = first["layers.0.0"] + first["layers.0.1"]   # srv's output and the residual it carries
     assert torch.allclose(layer, reference["hf.model.layers.0"][0], atol=1e-5)
     assert torch.allclose(first["lm_head"], reference["hf.lm_head"][0], atol=1e-4)
+
+
+def test_a_dump_input_file_runs_its_ids_through_the_model_and_ends_the_server(tiny_models, tmp_path):
+    """--debug-tensor-dump-input-file (SGLang's debugging run): the file's ids go through the
+    model, their layers are dumped, and the server exits without listening."""
+    import os
+    import subprocess
+    import sys
+
+    import numpy
+
+    numpy.save(tmp_path / "ids.npy", numpy.array([3, 9, 27, 4, 8]))
+    result = subprocess.run([sys.executable, "-m", "srv", "launch", "--model-path", str(tiny_models["llama"]),
+                             "--dtype", "float32", "--debug-tensor-dump-input-file", str(tmp_path / "ids.npy"),
+                             "--debug-tensor-dump-output-folder", str(tmp_path / "dump")],
+                            capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "ran the 5 token ids" in result.stdout + result.stderr
+    first = torch.load(sorted((tmp_path / "dump" / "TP0_PP0").glob("pass*.pt"))[0])
+    assert first["embed_tokens"].shape[0] == 5

@@ -102,7 +102,6 @@ NOT_SUPPORTED_YET = frozenset({
     "--enable-nsa-prefill-context-parallel",
     # Forward hooks
     # Debug tensor dumps
-    "--debug-tensor-dump-input-file",
     "--debug-tensor-dump-inject",
     # PD disaggregation
     "--disaggregation-mode",

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import shutil
 import signal
@@ -83,6 +84,18 @@ async def _serve(args: Namespace, manager: PluginManager, registry: BackendRegis
                                 if args.reasoning_parser else None,
                                 reasoning_parsers=lambda name: registry.choose("reasoning_parser", name).create(),
                                 tool_parsers=lambda name: registry.choose("tool_call_parser", name).create())
+        if args.debug_tensor_dump_input_file:
+            # SGLang's debugging run: the file's token ids through the model (their layers dumped
+            # with --debug-tensor-dump-output-folder), then the server ends without listening.
+            try:
+                ids = dump_input_ids(args.debug_tensor_dump_input_file)
+            except (ValueError, OSError) as exc:
+                logger.error("%s", exc)
+                return 2
+            await frontend.generate([None], [ids], [{"max_new_tokens": 1, "temperature": 0}])
+            logger.info("ran the %d token ids of %s (--debug-tensor-dump-input-file); exiting", len(ids),
+                        args.debug_tensor_dump_input_file)
+            return 0
         if not args.skip_server_warmup:
             # One token through the whole path, so the first user request pays no one-time costs.
             await frontend.probe()
@@ -106,6 +119,20 @@ async def _serve(args: Namespace, manager: PluginManager, registry: BackendRegis
         logger.error("exiting: %s", death[0])
         return 1
     return 0
+
+
+def dump_input_ids(path: str) -> list[int]:
+    """The token ids of a --debug-tensor-dump-input-file: a NumPy array (.npy, as SGLang reads
+    it) or a JSON list."""
+    if path.endswith(".npy"):
+        import numpy
+
+        ids = numpy.load(path).reshape(-1).tolist()
+    else:
+        ids = json.loads(Path(path).read_text())
+    if not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise ValueError(f"--debug-tensor-dump-input-file {path}: not a list of token ids")
+    return ids
 
 
 def delete_checkpoint(model_path: str) -> None:
