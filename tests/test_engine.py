@@ -319,7 +319,7 @@ def test_sleep_on_idle_waits_longer_once_settled_and_a_request_still_ends_the_wa
 
     from srv.engine.scheduler_loop import IDLE_SLEEP_S, SchedulerLoop
 
-    monkeypatch.setattr("srv.engine.scheduler.TOKENIZER_IDLE_S", 0.05)
+    monkeypatch.setattr("srv.engine.scheduler.PAUSE_S", 0.05)
     def settle(engine: srv.Engine) -> SchedulerLoop:
         engine.generate(input_ids=[3, 4, 5], sampling_params={"max_new_tokens": 1})
         deadline = time.monotonic() + 30

@@ -137,7 +137,7 @@ def test_the_dense_copies_are_reordered_in_the_first_pause(monkeypatch):
 
     if not can_pack(torch.float32):
         pytest.skip("oneDNN does not compute float32 here")
-    monkeypatch.setattr("srv.engine.scheduler.TOKENIZER_IDLE_S", 0.05)
+    monkeypatch.setattr("srv.engine.scheduler.PAUSE_S", 0.05)
     with srv.Engine(dtype="float32") as engine:
         copies = [m.dense for m in engine.runner.model.modules() if isinstance(m, GGUFLinear)]
         assert engine.generate("Hi", {"max_new_tokens": 2, "temperature": 0})["meta_info"]["completion_tokens"] == 2

@@ -230,14 +230,14 @@ def test_a_request_that_does_not_fit_yet_lets_the_others_start(tiny_models, monk
 def test_the_tokenizer_loads_at_the_first_pause_not_beside_the_first_requests(tiny_models, monkeypatch):
     """The scheduler process's tokenizer (stop strings, grammars) loads in the background once
     the steps pause, or at its deadline under steady traffic."""
-    monkeypatch.setattr("srv.engine.scheduler.TOKENIZER_IDLE_S", 0.3)
+    monkeypatch.setattr("srv.engine.scheduler.PAUSE_S", 0.3)
     scheduler = bare_scheduler(tiny_models["llama"])
     scheduler.set_tokenizer_loader(lambda: "the tokenizer")
     scheduler.load_tokenizer_when_idle()
     first = Req("first", list(range(3, 13)), greedy(4))
     scheduler.add(first)
     run_until(scheduler, lambda: first.finished)
-    scheduler.step()   # idle, for less than TOKENIZER_IDLE_S
+    scheduler.step()   # idle, for less than PAUSE_S
     assert scheduler._tokenizer is None, "started beside the first request"
     time.sleep(0.35)
     scheduler.step()

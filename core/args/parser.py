@@ -173,12 +173,11 @@ def check_launch_args(args: argparse.Namespace, parser: LaunchArgumentParser) ->
                 parser.error(f"{spec.name}: {exc}")
         if spec.name in NOT_SUPPORTED_YET and value != defaults[spec.dest]:
             parser.error(f"{spec.name} is not supported yet")
-    for name in (args.warmups or "").split(","):   # the `warmup` family's names, comma-separated
-        if name.strip():
-            try:
-                parser.registry.choose("warmup", name.strip())
-            except BackendError as exc:
-                parser.error(f"--warmups: {exc}")
+    for name in warmup_names(args):
+        try:
+            parser.registry.choose("warmup", name)
+        except BackendError as exc:
+            parser.error(f"--warmups: {exc}")
     if args.speculative_algorithm:
         for message in speculative_refusals(args):
             parser.error(message)
@@ -280,6 +279,11 @@ def parallel_refusals(args: argparse.Namespace) -> list[str]:
             if value:
                 refused.append(f"{flag} with {layout} is not supported yet")
     return refused
+
+
+def warmup_names(args: argparse.Namespace) -> list[str]:
+    """--warmups: the `warmup` family's names, comma-separated, in the order they run."""
+    return [name.strip() for name in (args.warmups or "").split(",") if name.strip()]
 
 
 def speculative_refusals(args: argparse.Namespace) -> list[str]:

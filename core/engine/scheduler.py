@@ -56,12 +56,13 @@ MAX_SKIP_S = 5.0
 # With nothing to run but requests whose prompt pages are still being read from storage, the
 # loop waits this long for a read to complete before it looks for new requests again.
 PREFETCH_POLL_S = 0.01
-# The tokenizer's background load (`load_tokenizer_when_idle`) starts once no step has run for
-# TOKENIZER_IDLE_S, and at the latest TOKENIZER_LATEST_S after it was asked for.
-TOKENIZER_IDLE_S = 0.5
+# A pause in the traffic: no step has run for PAUSE_S. The work kept out of the first requests'
+# way runs in pauses: the tokenizer's background load (`load_tokenizer_when_idle`; at the latest
+# TOKENIZER_LATEST_S after it was asked for), and the model's deferred one-time work
+# (ModelRunner.prepare_when_idle) in stretches of at most PREPARE_STRETCH_S, so that a request
+# arriving meanwhile waits little.
+PAUSE_S = 0.5
 TOKENIZER_LATEST_S = 5.0
-# In the same pauses, the model's deferred one-time work (see ModelRunner.prepare_when_idle) runs
-# in stretches of at most this long, so that a request arriving meanwhile waits little.
 PREPARE_STRETCH_S = 0.02
 
 
@@ -169,7 +170,7 @@ class Scheduler:
         now = time.monotonic()
         if not idle:
             self._busy_at = now
-        if self._tokenizer_due is not None and (now >= self._tokenizer_due or now - self._busy_at >= TOKENIZER_IDLE_S):
+        if self._tokenizer_due is not None and (now >= self._tokenizer_due or now - self._busy_at >= PAUSE_S):
             self._tokenizer_due = None
             self.start_loading_tokenizer()
 
@@ -182,7 +183,7 @@ class Scheduler:
     @property
     def preparing_now(self) -> bool:
         """Whether the model's deferred work is left and the traffic has paused for it."""
-        return self._preparing and not self.has_work and time.monotonic() - self._busy_at >= TOKENIZER_IDLE_S
+        return self._preparing and not self.has_work and time.monotonic() - self._busy_at >= PAUSE_S
 
     @property
     def tokenizer(self) -> Any:

@@ -9,14 +9,11 @@ import time
 from argparse import Namespace
 from typing import Any
 
+from srv.args.parser import warmup_names
 from srv.backend_registry import BackendRegistry
 from srv.engine.frontend import Frontend
 
 logger = logging.getLogger("srv.engine")
-
-
-def warmup_names(args: Namespace) -> list[str]:
-    return [name.strip() for name in (args.warmups or "").split(",") if name.strip()]
 
 
 class FrontendWarmupClient:
