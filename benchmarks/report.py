@@ -11,7 +11,7 @@ from benchmarks.stats import median, medians, ratio, repetition_ratios
 from benchmarks.workloads import (INPUT_LEN, OUTPUT_LEN, SHARED_PREFIX_LEN, STEADY_REQUESTS_PER_CLIENT, SWEEP, W1,
                                   W1_CONCURRENCY, W1_HOG, W2, W2_CONCURRENCY, W2_STEADY, W3, W3_NGRAM, W5, W5_NGRAM,
                                   C64, C64_FLOAT32, C64_INT8, DENSE_FLAGS, FLOAT32_FLAGS, W3_DENSE, W3_FLOAT32, INT8_FLAGS, W1_FLOAT32, W1_INT8,
-                                  W3_INT8, W1_TP2, W3_TP2, W1_PP2, W3_PP2, W1_DP2, W3_DP2, TP2_FLAGS, PP2_FLAGS, DP2_FLAGS, W6, W6_FLAGS, W6_HICACHE, W6_HICACHE_FLAGS, W6_PREFIX_LEN, W6_PREFIXES, W1_LORA, W1_LORA_TORCH, LORA_ADAPTERS,
+                                  W3_INT8, W1_TP2, W3_TP2, W1_PP2, W3_PP2, W1_DP2, W3_DP2, W1_DP_ATTENTION, W3_DP_ATTENTION, TP2_FLAGS, PP2_FLAGS, DP2_FLAGS, DP_ATTENTION_FLAGS, W6, W6_FLAGS, W6_HICACHE, W6_HICACHE_FLAGS, W6_PREFIX_LEN, W6_PREFIXES, W1_LORA, W1_LORA_TORCH, LORA_ADAPTERS,
                                   sweep_name, workloads)
 from benchmarks.hicache_restart import RESTART_FLAGS, RESTART_PROMPT_LEN, restart_rows
 
@@ -321,21 +321,24 @@ def dense_section(results: BenchResults) -> list[str]:
 
 
 def parallel_section(results: BenchResults) -> list[str]:
-    """srv split three ways (tensor, pipeline and data parallel) against its default, within each
-    repetition."""
+    """srv split four ways (tensor, pipeline and data parallel, and data-parallel attention) against
+    its default, within each repetition."""
     rows = ratio_rows(results, (
         ("W1 tp=2 / W1 srv default (tok/s)", SRV, W1_TP2, W1, "output_throughput"),
         ("W1 pp=2 / W1 srv default (tok/s)", SRV, W1_PP2, W1, "output_throughput"),
         ("W1 dp=2 / W1 srv default (tok/s)", SRV, W1_DP2, W1, "output_throughput"),
+        ("W1 dp attention / W1 srv default (tok/s)", SRV, W1_DP_ATTENTION, W1, "output_throughput"),
         ("W3 tp=2 / W3 srv default (ms/token)", SRV, W3_TP2, W3, "tpot_median_s"),
         ("W3 pp=2 / W3 srv default (ms/token)", SRV, W3_PP2, W3, "tpot_median_s"),
-        ("W3 dp=2 / W3 srv default (ms/token)", SRV, W3_DP2, W3, "tpot_median_s")))
+        ("W3 dp=2 / W3 srv default (ms/token)", SRV, W3_DP2, W3, "tpot_median_s"),
+        ("W3 dp attention / W3 srv default (ms/token)", SRV, W3_DP_ATTENTION, W3, "tpot_median_s")))
     if not rows:
         return []
     return ["### Tensor, pipeline and data parallelism", "",
             f"srv launched with `{' '.join(TP2_FLAGS)}` (two ranks of one torch thread, in shared memory), with "
-            f"`{' '.join(PP2_FLAGS)}` (two stages of one thread) and with `{' '.join(DP2_FLAGS)}` (two scheduler "
-            "groups of one thread, round robin), after its default server's "
+            f"`{' '.join(PP2_FLAGS)}` (two stages of one thread), with `{' '.join(DP2_FLAGS)}` (two scheduler "
+            f"groups of one thread, round robin) and with `{' '.join(DP_ATTENTION_FLAGS)}` (two scheduler groups "
+            "whose feed-forward blocks split across both), after its default server's "
             "runs (one process of two threads); ratios within each repetition (tok/s: above 1× the split is faster; "
             "ms/token: below 1× it is faster).", "",
             *md_table(["ratio", "by repetition", "median"], rows, "lrr"), ""]

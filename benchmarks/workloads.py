@@ -20,10 +20,11 @@ W3, W1 and the 64-stream point run again on srv with `--quantization w8a8_int8` 
 and the 64-stream point on srv's dense float32 (`--quantization none --dtype float32`,
 `-float32`): the rows that compare int8 compute with float32 and with the peers.
 
-W3 and W1 run again on srv split three ways: `--tp-size 2` (two ranks of one torch thread),
-`--pp-size 2` (two pipeline stages of one thread) and `--dp-size 2` (two scheduler groups of one
-thread), against srv's default (one process of two threads) in the same repetition: `-tp2`,
-`-pp2` and `-dp2`.
+W3 and W1 run again on srv split four ways: `--tp-size 2` (two ranks of one torch thread),
+`--pp-size 2` (two pipeline stages of one thread), `--dp-size 2` (two scheduler groups of one
+thread) and data-parallel attention (two scheduler groups whose feed-forward blocks split across
+both), against srv's default (one process of two threads) in the same repetition: `-tp2`,
+`-pp2`, `-dp2` and `-dpattn`.
 
 W1 runs once more on srv serving four random LoRA adapters (rank 16, every linear layer), each
 request on one of them in turn (`-lora4`): what serving many fine-tunes of one model costs; and
@@ -121,9 +122,11 @@ W6_HICACHE_FLAGS = (*W6_FLAGS, "--enable-hierarchical-cache", "--hicache-ratio",
 TP2_FLAGS = ("--tp-size", "2")
 PP2_FLAGS = ("--pp-size", "2")
 DP2_FLAGS = ("--dp-size", "2")
+DP_ATTENTION_FLAGS = ("--tp-size", "2", "--dp-size", "2", "--enable-dp-attention", "--enable-dp-lm-head")
 W3_TP2, W1_TP2 = (f"{w}-tp2" for w in (W3, W1))
 W3_PP2, W1_PP2 = (f"{w}-pp2" for w in (W3, W1))
 W3_DP2, W1_DP2 = (f"{w}-dp2" for w in (W3, W1))
+W3_DP_ATTENTION, W1_DP_ATTENTION = (f"{w}-dpattn" for w in (W3, W1))
 LORA_ADAPTERS = 4
 W1_LORA = f"{W1}-lora{LORA_ADAPTERS}"
 LORA_FLAGS = ("--max-loras-per-batch", str(LORA_ADAPTERS))   # and --lora-paths, made by the srv engine
@@ -138,7 +141,7 @@ PROBE = Workload("probe", W1_CONCURRENCY, W1_CONCURRENCY)
 def workloads(quick: bool) -> list[Workload]:
     """The sweep in increasing concurrency, the shared-prefix workload (burst, then steady), W1
     beside a hog, W5; then W3 and W5 again for srv with NGRAM, the int8, float32 and dense points, W6, and W3
-    and W1 split three ways, and W1 on LoRA adapters."""
+    and W1 split four ways, and W1 on LoRA adapters."""
     sweep = [Workload(sweep_name(c), c, num_prompts(c, quick)) for c in SWEEP]
     burst = Workload(W2, W2_CONCURRENCY, num_prompts(W2_CONCURRENCY, quick), shared_prefix_len=SHARED_PREFIX_LEN)
     steady = Workload(W2_STEADY, W2_CONCURRENCY, W2_CONCURRENCY * (1 if quick else STEADY_REQUESTS_PER_CLIENT),
@@ -160,7 +163,9 @@ def workloads(quick: bool) -> list[Workload]:
     parallel = [Workload(name, c, num_prompts(c, quick), srv_flags=flags)
                 for name, c, flags in ((W3_TP2, 1, TP2_FLAGS), (W1_TP2, W1_CONCURRENCY, TP2_FLAGS),
                                        (W3_PP2, 1, PP2_FLAGS), (W1_PP2, W1_CONCURRENCY, PP2_FLAGS),
-                                       (W3_DP2, 1, DP2_FLAGS), (W1_DP2, W1_CONCURRENCY, DP2_FLAGS))]
+                                       (W3_DP2, 1, DP2_FLAGS), (W1_DP2, W1_CONCURRENCY, DP2_FLAGS),
+                                       (W3_DP_ATTENTION, 1, DP_ATTENTION_FLAGS),
+                                       (W1_DP_ATTENTION, W1_CONCURRENCY, DP_ATTENTION_FLAGS))]
     lora = [Workload(name, W1_CONCURRENCY, num_prompts(W1_CONCURRENCY, quick), srv_flags=flags,
                      lora_adapters=LORA_ADAPTERS)
             for name, flags in ((W1_LORA, LORA_FLAGS), (W1_LORA_TORCH, LORA_TORCH_FLAGS))]

@@ -74,7 +74,7 @@ def test_workloads_reuse_the_sweep_for_w1_and_w3():
     names = [w.name for w in workloads(quick=False)]
     assert names == ["c1", "c4", "c16", "c64", "prefix16", "prefix16-steady", "c16-hog", "repeat", "c1-ngram",
                      "repeat-ngram", "c1-int8", "c16-int8", "c64-int8", "c1-float32", "c16-float32",
-                     "c64-float32", "c1-dense", "prefixes8", "prefixes8-hicache", "c1-tp2", "c16-tp2", "c1-pp2", "c16-pp2", "c1-dp2", "c16-dp2", "c16-lora4", "c16-lora4-torch"]
+                     "c64-float32", "c1-dense", "prefixes8", "prefixes8-hicache", "c1-tp2", "c16-tp2", "c1-pp2", "c16-pp2", "c1-dp2", "c16-dp2", "c1-dpattn", "c16-dpattn", "c16-lora4", "c16-lora4-torch"]
     assert W1 == "c16" and W3 == "c1" and W2 == "prefix16"
     assert [num_prompts(c, False) for c in (1, 4, 16, 64)] == [4, 8, 16, 64]
     assert [num_prompts(c, True) for c in (1, 4, 16, 64)] == [2, 4, 16, 64]
@@ -82,9 +82,10 @@ def test_workloads_reuse_the_sweep_for_w1_and_w3():
     everything, (lora, lora_torch) = everything[:-2], everything[-2:]
     assert (lora.concurrency, lora.lora_adapters, lora.srv_flags) == (16, 4, ("--max-loras-per-batch", "4"))
     assert (lora_torch.lora_adapters, lora_torch.srv_flags) == (4, lora.srv_flags + ("--lora-backend", "torch"))
-    everything, parallel = everything[:-6], everything[-6:]
+    everything, parallel = everything[:-8], everything[-8:]
     assert [(w.concurrency, w.srv_flags) for w in parallel] == [
-        (c, (flag, "2")) for flag in ("--tp-size", "--pp-size", "--dp-size") for c in (1, 16)]
+        (c, (flag, "2")) for flag in ("--tp-size", "--pp-size", "--dp-size") for c in (1, 16)] + [
+        (c, ("--tp-size", "2", "--dp-size", "2", "--enable-dp-attention", "--enable-dp-lm-head")) for c in (1, 16)]
     burst, steady, hog, repeat, w3_ngram, repeat_ngram = everything[-15:-9]
     assert repeat.endpoint == repeat_ngram.endpoint == "chat" and repeat.instruction == repeat_ngram.instruction
     assert w3_ngram.speculative and repeat_ngram.speculative and not repeat.speculative

@@ -123,3 +123,56 @@ def test_dp2_server_gives_each_request_its_output_alone_and_spreads_them_round_r
             assert re.search(r'sglang:num_used_tokens\{[^}]*dp_rank="%s"' % rank, metrics), metrics[:2000]
     finally:
         assert server.stop() == 0
+
+
+@pytest.mark.parametrize("kind, flags", [("llama", ()), ("qwen3", ("--enable-dp-lm-head",)), ("qwen3_moe", ())],
+                         ids=["llama-vocab-split-head", "qwen3-tied-dp-lm-head", "qwen3-moe"])
+def test_dp_attention_ranks_step_together_and_give_hf_greedy_tokens(tiny_models, tiny_moe_models, kind, flags):
+    """--enable-dp-attention: two groups, each one scheduler process with its own KV cache and
+    attention whole, the feed-forward blocks split across both and run on both ranks' rows. A
+    16-token prefill chunk makes the ranks' passes differ in number: the rank with fewer runs
+    IDLE passes beside the other's."""
+    from test_engine import NEW_TOKENS, hf_greedy, random_prompts
+
+    model = {**tiny_models, **tiny_moe_models}[kind]
+    server = Server("--model-path", str(model), "--tp-size", "2", "--dp-size", "2", "--enable-dp-attention", *flags,
+                    "--skip-server-warmup", "--chunked-prefill-size", "16", "--max-total-tokens", "4096")
+    try:
+        prompts = random_prompts(6)
+        outputs: dict[int, list[int]] = {}
+
+        def generate(i: int) -> None:
+            reply = httpx.post(f"{server.base}/generate", timeout=120, json={
+                "input_ids": prompts[i], "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0}})
+            assert reply.status_code == 200, reply.text
+            outputs[i] = reply.json()["output_ids"]
+
+        threads = [threading.Thread(target=generate, args=(i,)) for i in range(len(prompts))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(180)
+        for i, ids in enumerate(prompts):
+            assert outputs[i] == hf_greedy(str(model), tuple(ids)), f"prompt {i}"
+        groups = server.scheduler_status()["data_parallel_groups"]
+        assert [g["generated_tokens"] for g in groups] == [3 * NEW_TOKENS, 3 * NEW_TOKENS]
+        assert httpx.post(f"{server.base}/flush_cache", timeout=30).status_code == 200
+        assert server.scheduler_status()["kv_tokens_in_use"] == 0
+    finally:
+        assert server.stop() == 0
+    assert "data-parallel attention rank 1 of 2" in "".join(server.output)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--enable-dp-lm-head"], "--enable-dp-lm-head needs --enable-dp-attention"),
+    (["--enable-dp-attention"], "--enable-dp-attention needs --data-parallel-size > 1"),
+    (["--enable-dp-attention", "--dp-size", "2", "--tp-size", "4"], "the sizes must be equal"),
+])
+def test_dp_attention_layouts_srv_cannot_run_are_refused(flags, message, capsys):
+    from srv.args.parser import parse_launch_args
+    from srv.plugin_manager import load_plugins
+
+    manager, registry = load_plugins()
+    with pytest.raises(SystemExit):
+        parse_launch_args(flags, manager, registry)
+    assert message in capsys.readouterr().err

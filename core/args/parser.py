@@ -203,11 +203,11 @@ def check_launch_args(args: argparse.Namespace, parser: LaunchArgumentParser) ->
         except ValueError as exc:
             parser.error(str(exc))
     if args.numa_node:
+        from srv.engine.layout import computing_processes
         from srv.engine.numa import check_numa_nodes
 
-        ranks = args.tensor_parallel_size * args.pipeline_parallel_size // max(args.nnodes, 1)
         try:
-            check_numa_nodes(args.numa_node, args.data_parallel_size * max(ranks, 1))
+            check_numa_nodes(args.numa_node, computing_processes(args))
         except ValueError as exc:
             parser.error(str(exc))
     if args.delete_ckpt_after_loading:
@@ -253,9 +253,21 @@ def parallel_refusals(args: argparse.Namespace) -> list[str]:
                        "on a port of its own")
     if args.nccl_port is not None and not 0 < args.nccl_port < 65536:
         refused.append(f"--nccl-port {args.nccl_port} is not a port")
-    if args.data_parallel_size > 1 and args.nccl_port and tp * pp > 1:
+    if args.data_parallel_size > 1 and args.nccl_port and tp * pp > 1 and not args.enable_dp_attention:
         refused.append("--nccl-port with --data-parallel-size > 1: each group forms its tensor-parallel group on a "
                        "port of its own")
+    if args.enable_dp_lm_head and not args.enable_dp_attention:
+        refused.append("--enable-dp-lm-head needs --enable-dp-attention: it keeps the vocabulary head whole on each "
+                       "data-parallel attention rank")
+    if args.enable_dp_attention:
+        if args.data_parallel_size < 2:
+            refused.append("--enable-dp-attention needs --data-parallel-size > 1: each group is an attention rank")
+        elif tp != args.data_parallel_size:
+            refused.append(f"--enable-dp-attention with --tensor-parallel-size {tp} and --data-parallel-size "
+                           f"{args.data_parallel_size}: srv runs attention whole on each rank, so the sizes must be "
+                           "equal (split attention within a group is not supported yet)")
+        if pp > 1 or nnodes > 1:
+            refused.append("--enable-dp-attention with --pipeline-parallel-size or --nnodes > 1 is not supported yet")
     if nnodes > 1 and not args.dist_init_addr:
         refused.append("--nnodes > 1 needs --dist-init-addr HOST:PORT, where node 0's rank 0 forms the group")
     ep = args.expert_parallel_size

@@ -76,8 +76,6 @@ NOT_SUPPORTED_YET = frozenset({
     "--disable-flashinfer-cutlass-moe-fp4-allgather",
     "--enable-mscclpp",
     "--enable-torch-symm-mem",
-    "--enable-dp-attention",
-    "--enable-dp-lm-head",
     "--enable-two-batch-overlap",
     "--enable-single-batch-overlap",
     "--tbo-token-distribution-threshold",

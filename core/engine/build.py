@@ -21,14 +21,14 @@ from srv.engine.tokenizer import load_tokenizer
 def choose_torch_threads(args: Namespace) -> None:
     """One torch thread per core this process may run on, unless OMP_NUM_THREADS says otherwise;
     the cores are shared among the processes that compute at once (data-parallel groups, and
-    the tensor-parallel ranks on this machine: srv.engine.tensor_parallel.torch_threads).
+    the tensor-parallel ranks on this machine: srv.engine.layout.torch_threads).
 
     On the 2-core machines every batch size decoded faster on two threads than on one, also
     with the other core kept busy by another process, so no fewer are taken. Tests that run a
     client beside the server set OMP_NUM_THREADS=1.
     """
     if "OMP_NUM_THREADS" not in os.environ:
-        from srv.engine.tensor_parallel import torch_threads
+        from srv.engine.layout import torch_threads
 
         torch.set_num_threads(torch_threads(args))
 

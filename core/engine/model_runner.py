@@ -89,13 +89,19 @@ class ModelRunner:
                  on_model_dir: Callable[[Path], None] | None = None, tensor_parallel: Any = None) -> None:
         """`on_model_dir` is called with the prepared model directory before the weights load.
         Under --tensor-parallel-size N > 1 this runner is rank 0, which starts the other ranks
-        (srv.engine.tensor_parallel), unless `tensor_parallel` names the group of another rank."""
+        (srv.engine.tensor_parallel), unless `tensor_parallel` names the group of another rank;
+        under --enable-dp-attention it is its group's rank (srv.engine.dp_attention)."""
         self.args, self.registry = args, registry
-        if args.tensor_parallel_size * args.pipeline_parallel_size > 1 and tensor_parallel is None:
+        if args.enable_dp_attention and tensor_parallel is None:
+            from srv.engine.dp_attention import DataParallelAttention
+
+            tensor_parallel = DataParallelAttention(args, args.dp_attention_rank, args.dp_attention_address)
+        elif args.tensor_parallel_size * args.pipeline_parallel_size > 1 and tensor_parallel is None:
             from srv.engine.tensor_parallel import join_as_rank_zero
 
             tensor_parallel = join_as_rank_zero(args)
         self.tensor_parallel = tensor_parallel
+        self.passes = 0   # forward passes run here (a data-parallel attention rank's rounds follow them)
         self.parallel: ParallelContext = tensor_parallel.context if tensor_parallel is not None else ParallelContext()
         try:
             self._load(on_model_dir)
@@ -165,7 +171,7 @@ class ModelRunner:
         total_heads = self.config.num_attention_heads
         total_kv_heads = getattr(self.config, "num_key_value_heads", None) or total_heads
         self.head_dim = getattr(self.config, "head_dim", None) or self.config.hidden_size // total_heads
-        self.num_kv_heads = self.parallel.partition(total_kv_heads)[1]
+        self.num_kv_heads = self.parallel.attention.partition(total_kv_heads)[1]
         self.num_heads = self.num_kv_heads * (total_heads // total_kv_heads)
         self.prefill_attention = self._attention(args.prefill_attention_backend or args.attention_backend)
         self.decode_attention = self._attention(args.decode_attention_backend or args.attention_backend)
@@ -344,6 +350,9 @@ class ModelRunner:
                              mode=mode, capture_layers=capture_layers, token_type_ids=token_type_ids)
         if self.lora is not None:
             self.lora.set_batch(lora_slots or [-1] * len(extend_lens), extend_lens)
+        self.passes += 1
+        if self.parallel.attention_data_parallel:
+            self.tensor_parallel.agree(True)
         if self.tensor_parallel is not None:
             return self._forward_in_group(batch, dict(
                 input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc, kv_slots=kv_slots,
@@ -380,7 +389,13 @@ class ModelRunner:
                 logger.error("rank %d: a collective failed (%s); exiting", self.parallel.rank, exc)
                 os._exit(1)
             raise
-        return self._checked_output(out, batch) if self.parallel.rank == 0 else out
+        return self._checked_output(out, batch) if self.parallel.samples and not batch.is_idle else out
+
+    def idle_round(self) -> None:
+        """Data-parallel attention, after a scheduler step that ran no pass here: a round of
+        srv.engine.dp_attention, and an IDLE pass beside the ranks that compute in it."""
+        if self.tensor_parallel.agree(False):
+            self._forward_in_group(ForwardBatch.idle(self.kv_cache, self.decode_attention), {})
 
     def _through_stages(self, batch: ForwardBatch) -> ModelOutput:
         """The pass as micro-batches of at most --pp-max-micro-batch-size requests, one after

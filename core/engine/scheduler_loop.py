@@ -60,6 +60,9 @@ class SchedulerLoop:
         # A control call that waits for the running requests to end: (call id, what to do then).
         self._deferred: tuple[int, Callable[[], Any]] | None = None
         self.released: set[str] = set()   # what /release_memory_occupation dropped ("weights", "kv_cache")
+        # --enable-dp-attention: this rank's rounds with the others (srv.engine.dp_attention).
+        runner = scheduler.runner
+        self.lockstep = runner.tensor_parallel if runner.parallel.attention_data_parallel else None
 
     @property
     def has_work(self) -> bool:
@@ -69,9 +72,12 @@ class SchedulerLoop:
     def wait_s(self) -> float:
         """How long to wait for a message before the next step: not at all while there is work
         (or deferred preparation in a pause), else a tenth of a second; with --sleep-on-idle a
-        second once nothing is left to do in the pauses (a message ends any wait at once)."""
+        second once nothing is left to do in the pauses (a message ends any wait at once). A
+        data-parallel attention rank waits as its rounds allow (DataParallelAttention.poll_s)."""
         if self.has_work or (self.scheduler.preparing_now and not self.paused):
             return 0.0
+        if self.lockstep is not None:   # the other ranks' passes wait for this one's next round
+            return self.lockstep.poll_s
         return IDLE_SLEEP_S if self.sleep_on_idle and self.scheduler.settled else 0.1
 
     def handle(self, message: Message) -> list[RequestOutput | ControlResult]:
@@ -130,7 +136,16 @@ class SchedulerLoop:
 
     def step(self) -> list[RequestOutput | ControlResult]:
         """One scheduler step, or --num-continuous-decode-steps decode steps in a row while the
-        running requests decode and none waits; each request's new tokens in one output."""
+        running requests decode and none waits; each request's new tokens in one output. Under
+        data-parallel attention a step that ran no pass ends with an idle round."""
+        runner = self.scheduler.runner
+        passes = runner.passes
+        outputs = self._step()
+        if self.lockstep is not None and runner.passes == passes:
+            runner.idle_round()
+        return outputs
+
+    def _step(self) -> list[RequestOutput | ControlResult]:
         if self.paused:
             return []
         if self._deferred is not None:

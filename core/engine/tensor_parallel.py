@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 import os
 import pickle
-import socket
 import subprocess
 import sys
 import threading
@@ -30,6 +29,7 @@ from typing import Any
 
 import torch
 
+from srv.engine.layout import init_address, local_ranks, torch_threads
 from srv.engine.shm_collectives import SharedMemoryCollectives, create_segment
 from srv.sdk.parallel import ParallelContext
 
@@ -37,29 +37,6 @@ logger = logging.getLogger("srv.tensor_parallel")
 
 # Ranks other than 0 wait on the command group between batches for as long as the server idles.
 IDLE_TIMEOUT = timedelta(days=365)
-
-
-def world_size(args: Namespace) -> int:
-    """Ranks in the group: tensor-parallel ranks in each of the pipeline stages."""
-    return args.tensor_parallel_size * args.pipeline_parallel_size
-
-
-def local_ranks(args: Namespace) -> range:
-    """The ranks `args.node_rank` runs."""
-    per_node = world_size(args) // args.nnodes
-    return range(args.node_rank * per_node, (args.node_rank + 1) * per_node)
-
-
-def init_address(args: Namespace) -> str:
-    """HOST:PORT where the group forms: --dist-init-addr, else --nccl-port (SGLang's port for the
-    distributed environment; gloo's here) or a free port on this machine."""
-    if args.dist_init_addr:
-        return args.dist_init_addr
-    if args.nccl_port:
-        return f"127.0.0.1:{args.nccl_port}"
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{probe.getsockname()[1]}"
 
 
 class ParallelGroup:
@@ -175,19 +152,6 @@ def join_as_rank_zero(args: Namespace) -> ParallelGroup:
     group = ParallelGroup(args, 0, address)
     group.watch(children)
     return group
-
-
-def torch_threads(args: Namespace, index: int = 0) -> int:
-    """Threads for each process that computes: this machine's cores shared among the ranks it
-    runs, in each data-parallel group; under --numa-node, the cores of this process's node
-    (the `index`-th entry) shared among the processes bound to it."""
-    if args.numa_node:
-        from srv.engine.numa import node_cpus
-
-        processes = len(local_ranks(args)) * args.data_parallel_size
-        node = args.numa_node[index]
-        return max(1, len(node_cpus(node)) // args.numa_node[:processes].count(node))
-    return max(1, len(os.sched_getaffinity(0)) // (len(local_ranks(args)) * args.data_parallel_size))
 
 
 def run_rank(args: Namespace, rank: int, address: str) -> None:

@@ -96,12 +96,15 @@ class ForwardMode(str, enum.Enum):
     EXTEND: prompt chunks (and, mixed in, decode rows); DECODE: one new token a request;
     TARGET_VERIFY: a speculative verify pass, laid out as decode rows (a request's last token
     and each of its drafts is a row attending to its own prefix, so rows of one request share
-    a KV row); DRAFT_EXTEND: a draft model's pass."""
+    a KV row); DRAFT_EXTEND: a draft model's pass; IDLE: no rows, under data-parallel attention
+    (`srv.sdk.parallel`), on a rank with nothing to compute while another rank computes: the
+    pass only takes part in the collectives of the blocks split across the ranks."""
 
     EXTEND = "extend"
     DECODE = "decode"
     TARGET_VERIFY = "target_verify"
     DRAFT_EXTEND = "draft_extend"
+    IDLE = "idle"
 
 
 @dataclass
@@ -145,12 +148,23 @@ class ForwardBatch:
     def batch_size(self) -> int:
         return len(self.extend_lens)
 
+    @classmethod
+    def idle(cls, kv_cache: KVCache, attention: "AttentionBackend") -> ForwardBatch:
+        """An IDLE pass's batch: no requests, no tokens."""
+        empty = torch.zeros(0, dtype=torch.long)
+        return cls(input_ids=empty, positions=empty, out_cache_loc=empty, kv_slots=empty.view(0, 0), prefix_lens=[],
+                   extend_lens=[], kv_cache=kv_cache, attention=attention, mode=ForwardMode.IDLE)
+
+    @property
+    def is_idle(self) -> bool:
+        return self.mode is ForwardMode.IDLE
+
     @property
     def is_decode(self) -> bool:
-        return all(e == 1 for e in self.extend_lens)
+        return not self.is_idle and all(e == 1 for e in self.extend_lens)
 
     def last_token_indices(self) -> torch.Tensor:
-        return torch.tensor(self.extend_lens).cumsum(0) - 1
+        return torch.tensor(self.extend_lens, dtype=torch.long).cumsum(0) - 1
 
     def logits_rows(self) -> torch.Tensor:
         """The rows whose logits a model returns (see `logits_indices`)."""

@@ -13,8 +13,12 @@ after it, whatever module serves it:
     RowParallelLinear         input features split: each rank's output is a partial sum that
                               the model adds up with `parallel.all_reduce`
     VocabParallelEmbedding    vocabulary rows split; the lookup adds up the ranks' rows itself
-    ParallelLMHead            vocabulary split: the model puts the logits together on rank 0
-                              with `parallel.gather(logits, head.vocab_starts)`
+    ParallelLMHead            vocabulary split: the model puts the logits together where they
+                              are sampled with `parallel.vocab_logits(head, x, head.vocab_starts)`
+
+Under data-parallel attention a model runs each feed-forward block (an MLP, a sparse block) on
+every rank's rows with `parallel.run_gathered(block, x)`, and builds its attention layers with
+`parallel.attention`.
 
 At tp=1 each is its torch layer and `load_shard` copies the whole tensor. A sparse block's
 experts are `srv.sdk.moe.FusedMoE` (split by expert across `--ep-size` groups, and by feature

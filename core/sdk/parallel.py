@@ -6,6 +6,13 @@ With one rank (`ParallelContext()`), every collective returns its input: a model
 `srv.sdk.layers` runs unchanged at tp=1. With more, the ranks form a torch.distributed group
 (gloo on CPU): rank 0 schedules and samples, every rank computes its share of each layer.
 
+Under `--enable-dp-attention` (`attention_data_parallel`), each rank is also a scheduler of its
+own requests: attention, its KV cache, the embeddings (and the head, with `--enable-dp-lm-head`)
+are whole on every rank (`attention` is the one-rank context they are built with), and the
+feed-forward blocks split across the ranks as at tensor parallelism, run on every rank's rows
+gathered (`all_gather_rows`). The ranks run their passes in lockstep: a rank with nothing to
+compute runs an IDLE pass (`ForwardMode.IDLE`), which takes part in the same collectives.
+
 Work is split in units that must stay together (a key/value head and the query heads that
 share it, a block of quantized columns): `partition` gives the first ranks one unit more where
 the count does not divide, so a model of 9 query heads in 3 groups runs on two ranks as groups
@@ -47,8 +54,29 @@ class ParallelContext:
     # collectives when set: `all_reduce(float32 tensor)` in place, `gather(tensor)` -> every
     # rank's on rank 0.
     local: Any = None
+    # --enable-dp-attention: every rank schedules its own requests; attention is not split.
+    attention_data_parallel: bool = False
+    # --enable-dp-lm-head, with it: the vocabulary head is whole on every rank too.
+    dp_lm_head: bool = False
     # Point-to-point sends still in flight, with their tensors (kept alive until sent).
     _sends: list = field(default_factory=list, repr=False)
+
+    @property
+    def attention(self) -> ParallelContext:
+        """The context attention layers, the KV cache and the embeddings are built with: a
+        rank of its own under data-parallel attention, else this one."""
+        return ParallelContext() if self.attention_data_parallel else self
+
+    @property
+    def head(self) -> ParallelContext:
+        """The context the vocabulary head is built with."""
+        return self.attention if self.dp_lm_head else self
+
+    @property
+    def samples(self) -> bool:
+        """Whether this process samples (and so needs the whole logits of its rows): rank 0, or
+        every rank under data-parallel attention."""
+        return self.rank == 0 or self.attention_data_parallel
 
     @property
     def is_parallel(self) -> bool:
@@ -182,6 +210,55 @@ class ParallelContext:
         if self.tp_rank != 0:
             return x
         return torch.cat([part[..., :b - a] for part, a, b in zip(parts, starts, starts[1:])], dim=-1)
+
+
+    def all_gather_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, slice]:
+        """Data-parallel attention: every rank's rows of x ([rows, features], a count of rows
+        per rank, none on a rank in an IDLE pass) in rank order, on every rank, and where this
+        rank's are in them. Two all-reduces: the counts, then the rows in zeroed blocks."""
+        if not self.is_parallel:
+            return x, slice(0, x.shape[0])
+        counts = torch.zeros(self.tp_size)
+        counts[self.tp_rank] = x.shape[0]
+        counts = self.all_reduce(counts).long().tolist()
+        widest = max(counts)
+        blocks = x.new_zeros(self.tp_size, widest, *x.shape[1:])
+        blocks[self.tp_rank, :x.shape[0]] = x
+        blocks = self.all_reduce(blocks)   # a sum of one block and zeros: each row unchanged
+        rows = torch.cat([blocks[r, :n] for r, n in enumerate(counts)])
+        start = sum(counts[:self.tp_rank])
+        return rows, slice(start, start + x.shape[0])
+
+    def run_gathered(self, block: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """block(x) for a block whose weights split across the ranks (a feed-forward block).
+        Under data-parallel attention every rank's rows are gathered, the block runs on all of
+        them (adding up its partial products as at tensor parallelism) and this rank keeps its
+        own; a rank in an IDLE pass brings none and still takes part."""
+        if not self.attention_data_parallel:
+            return block(x)
+        rows, mine = self.all_gather_rows(x)
+        return block(rows)[mine]
+
+    def all_gather_columns(self, x: torch.Tensor, starts: list[int]) -> torch.Tensor:
+        """Every rank's x side by side along the last dimension, on every rank (rank r holds
+        columns [starts[r], starts[r + 1])): the vocabulary head's logits, where every rank samples."""
+        if not self.is_parallel:
+            return x
+        whole = x.new_zeros(*x.shape[:-1], starts[-1])
+        whole[..., starts[self.tp_rank]:starts[self.tp_rank + 1]] = x
+        return self.all_reduce(whole)
+
+    def vocab_logits(self, head: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
+                     starts: list[int]) -> torch.Tensor:
+        """float32 logits of x's rows by the vocabulary head `head`, built with this context
+        (its vocabulary ranges `starts`): whole on rank 0 (on every rank under data-parallel
+        attention), each rank's own vocabulary range elsewhere."""
+        if not self.attention_data_parallel:
+            return self.gather(head(x).float(), starts)
+        if len(starts) == 2:   # the whole vocabulary on this rank (--enable-dp-lm-head)
+            return head(x).float()
+        rows, mine = self.all_gather_rows(x)
+        return self.all_gather_columns(head(rows).float(), starts)[mine]
 
 
 def partition_starts(total: int, parts: int, unit: int = 1, what: str = "parts") -> list[int]:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from srv.engine.diagnostics import install_gc_warning
+from srv.engine.layout import init_address, processes_per_group
 from srv.engine.numa import bind_to_numa_node
 
 if TYPE_CHECKING:   # pydantic, which it imports, would delay the import of torch
@@ -234,13 +235,17 @@ def spawn_scheduler_processes(args: Namespace, early: EarlyScheduler | None = No
     """One scheduler process per data-parallel group (--data-parallel-size); the first one is
     `early` where it was started."""
     spawned = []
+    address = None
+    if args.enable_dp_attention:   # the groups are the ranks of one torch.distributed group
+        address = init_address(args)
     for group in range(args.data_parallel_size):
         sockets = SchedulerSockets(tempfile.mkdtemp(prefix="srv-"))
-        group_args = args
+        group_args = copy.copy(args)
         if args.numa_node:   # each group's processes first: srv.engine.numa
-            group_args = copy.copy(args)
-            start = group * (args.tensor_parallel_size * args.pipeline_parallel_size // args.nnodes)
+            start = group * processes_per_group(args)
             group_args.numa_node = args.numa_node[start:] + args.numa_node[:start]
+        if address is not None:
+            group_args.dp_attention_rank, group_args.dp_attention_address = group, address
         if group == 0 and early is not None:
             process = early.start(group_args, sockets)
         else:

@@ -199,6 +199,8 @@ class Attention(nn.Module):
         self.clip_qkv = getattr(config, "clip_qkv", None)
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch) -> torch.Tensor:
+        if batch.is_idle:   # no rows, and no collective: attention is whole on each rank then
+            return x
         qkv = self.qkv_proj(x)
         if self.full_qk_norm:
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -240,8 +242,8 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, config: Any, layer_id: int, parallel: ParallelContext, mlp: nn.Module) -> None:
         super().__init__()
-        self.self_attn = Attention(config, layer_id, parallel)
-        self.mlp = mlp
+        self.self_attn = Attention(config, layer_id, parallel.attention)
+        self.mlp, self.parallel = mlp, parallel
         self.input_layernorm = RMSNorm(config.hidden_size, norm_eps(config))
         self.post_attention_layernorm = RMSNorm(config.hidden_size, norm_eps(config))
 
@@ -254,7 +256,7 @@ class DecoderLayer(nn.Module):
         else:
             x, residual = self.input_layernorm(x, residual)
         x, residual = self.post_attention_layernorm(self.self_attn(x, rotary, batch), residual)
-        return self.mlp(x), residual
+        return self.parallel.run_gathered(self.mlp, x), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -276,7 +278,7 @@ class LlamaForCausalLM(nn.Module):
         # names keep the checkpoint's layer numbers); the first has the embeddings, the last the
         # final norm and the head.
         self.start, self.end = parallel.layer_range(config.num_hidden_layers)
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, parallel) \
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, parallel.attention) \
             if parallel.is_first_stage else None
         self.layers = nn.ModuleList(DecoderLayer(config, i - self.start, parallel, self.build_mlp(config, i, parallel))
                                     if self.start <= i < self.end else nn.Identity()
@@ -286,7 +288,7 @@ class LlamaForCausalLM(nn.Module):
         # A tied head gets its own Parameter over the embedding matrix when the weights load: no
         # shared Parameter to re-tie after the model is materialised from the meta device, and the
         # head can be repacked or quantized like any other linear layer.
-        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, parallel)
+        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, parallel.head)
         # Kept here: a module that serves the head's weights (a packed layer) takes its place.
         self.vocab_starts = self.lm_head.vocab_starts
         if not parallel.is_last_stage:
@@ -317,7 +319,8 @@ class LlamaForCausalLM(nn.Module):
                                                                self.norm.weight.dtype if self.norm is not None
                                                                else self.layers[self.start].input_layernorm.weight.dtype)
         rotary = self.rotary(batch.positions)
-        batch.attention.prepare(batch)
+        if not batch.is_idle:
+            batch.attention.prepare(batch)
         native = None if batch.capture_layers else self._decode_natively(x, rotary, batch)
         captured: dict[int, torch.Tensor] = {}
         if native is None:
@@ -338,7 +341,7 @@ class LlamaForCausalLM(nn.Module):
         rows = batch.logits_rows()
         x, _ = norm(x[rows], residual[rows])
         hidden = torch.cat([captured[i] for i in batch.capture_layers], -1) if batch.capture_layers else None
-        return ModelOutput(self.parallel.gather(self.lm_head(x).float(), self.vocab_starts), hidden)
+        return ModelOutput(self.parallel.vocab_logits(self.lm_head, x, self.vocab_starts), hidden)
 
     def _float32_copy(self, norm: RMSNorm) -> RMSNorm:
         """A float32 copy of a norm of a model served in another dtype, for its native decode steps

@@ -313,3 +313,24 @@ class ModelImplKit(_EngineChecks):
         it is skipped)."""
         prompts = random_prompts(self.prompt_lengths[:3], srv_kit_reference.config.vocab_size, seed=5)
         self.assert_greedy_matches(srv_kit_tp_engine, srv_kit_reference, prompts)
+
+    def test_idle_pass_computes_nothing(self, srv_kit_engine: Any) -> None:
+        """An IDLE pass (`ForwardMode.IDLE`, what a data-parallel attention rank with nothing to
+        compute runs beside the others): no rows in, no logits out, nothing stored in the KV
+        cache. Skipped for an implementation that does not declare `tensor_parallel`."""
+        from srv.sdk.attention import ForwardBatch
+
+        if not self.make_impl().tensor_parallel:
+            pytest.skip("the implementation does not declare tensor_parallel (srv refuses --enable-dp-attention)")
+        runner = srv_kit_engine.runner
+        cache = runner.kv_cache
+        stored: list[int] = []
+        cache.store = lambda layer_id, *rest: stored.append(layer_id)
+        try:
+            with torch.inference_mode():
+                out = runner.model(ForwardBatch.idle(cache, runner.decode_attention))
+        finally:
+            del cache.store
+        assert not stored, "an IDLE pass stored keys and values"
+        logits = out.logits if hasattr(out, "logits") else out
+        assert logits.shape[0] == 0, "an IDLE pass returns no logits rows"
