@@ -221,7 +221,7 @@ EXPECTED_NOT_SUPPORTED_YET = {
     "--flashinfer-mxfp4-moe-precision", "--enable-flashinfer-allreduce-fusion", "--deepep-mode",
 
     "--deepep-config",
-    "--moe-dense-tp-size", "--max-mamba-cache-size", "--mamba-ssm-dtype", "--mamba-full-memory-ratio",
+    "--max-mamba-cache-size", "--mamba-ssm-dtype", "--mamba-full-memory-ratio",
     "--mamba-scheduler-strategy", "--mamba-track-interval",
     "--enable-lmcache", "--enable-double-sparsity", "--ds-channel-config-path", "--ds-heavy-channel-num",
     "--ds-heavy-token-num", "--ds-heavy-channel-type", "--ds-sparse-decode-threshold", "--cpu-offload-gb",

@@ -146,7 +146,7 @@ def test_moe_greedy_tokens_match_hf_batched_with_prefix_hits_and_chunked_prefill
 
 
 @pytest.mark.parametrize("kind,flags", [
-    ("qwen2_moe", {"ep_size": 2}),                                  # experts split, one all-reduce
+    ("qwen2_moe", {"ep_size": 2, "moe_dense_tp_size": 1}),          # experts split; dense layer 1 whole
     ("olmoe", {}),                                                  # every expert's features split
     ("mixtral", {"ep_size": 2, "moe_a2a_backend": "all_to_all"}),   # tokens sent to their experts
     ("qwen3_moe", {"ep_size": 2, "moe_a2a_backend": "all_to_all"}),
@@ -159,6 +159,9 @@ def test_moe_tp2_greedy_tokens_match_hf(tiny_moe_models, kind, flags, monkeypatc
         results = engine.generate(input_ids=prompts, sampling_params=GREEDY)
         assert_matches_hf(engine, path, prompts, results)
         assert_all_kv_returned(engine)
+        if flags.get("moe_dense_tp_size") == 1:   # --moe-dense-tp-size 1: the dense layer is not split
+            layers = engine.runner.model.layers
+            assert layers[1].mlp.parallel.tp_size == 1 and layers[0].mlp.experts.parallel.tp_size == 2
 
 
 def test_transformers_5_stacked_expert_layout_loads(tmp_path, default_model_dir):

@@ -279,6 +279,9 @@ def parallel_refusals(args: argparse.Namespace) -> list[str]:
                        "must be in [0.0, 1.0]")
     if args.eplb_rebalance_layers_per_chunk is not None and args.eplb_rebalance_layers_per_chunk < 1:
         refused.append("--eplb-rebalance-layers-per-chunk must be at least 1")
+    if args.moe_dense_tp_size not in (None, 1):
+        refused.append(f"--moe-dense-tp-size {args.moe_dense_tp_size}: only 1 (a MoE model's dense layers whole on "
+                       "every rank) is supported, as in SGLang")
     if args.ep_dispatch_algorithm not in (None, "static"):
         refused.append(f"--ep-dispatch-algorithm {args.ep_dispatch_algorithm}: srv sends a route to a replicated "
                        "expert's copy by the token's row (static); dynamic dispatch is not supported yet")

@@ -43,7 +43,6 @@ NOT_SUPPORTED_YET = frozenset({
     "--enable-flashinfer-allreduce-fusion",
     "--deepep-mode",
     "--deepep-config",
-    "--moe-dense-tp-size",
     # Mamba cache
     "--max-mamba-cache-size",
     "--mamba-ssm-dtype",

@@ -264,7 +264,7 @@ class ModelRunner:
         return MoEBackends(self.registry.choose("moe_runner", args.moe_runner_backend).create(args),
                            self.registry.choose("moe_a2a", args.moe_a2a_backend).create(args),
                            args.expert_parallel_size, expert_placement(args, self.config, self.eplb_algorithm),
-                           bool(args.enable_eplb))
+                           bool(args.enable_eplb), dense_tp_size=args.moe_dense_tp_size)
 
     def set_expert_placement(self, physical_to_logical: dict[int, list[int]]) -> None:
         """Every rank's MoE layers named (layer id -> its slots' logical experts) take a new

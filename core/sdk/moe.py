@@ -337,6 +337,9 @@ class MoEBackends:
     # Called with (layer id, expert ids [tokens, top_k]) of every MoE layer's forward pass when
     # set: the expert distribution recorder's tap.
     on_routed: Any = None
+    # --moe-dense-tp-size 1: the model's dense feed-forward layers are whole on every rank
+    # (built with a one-rank ParallelContext), not split; None splits them as the rest.
+    dense_tp_size: int | None = None
 
 
 class FusedMoE(nn.Module):

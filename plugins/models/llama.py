@@ -243,7 +243,9 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: Any, layer_id: int, parallel: ParallelContext, mlp: nn.Module) -> None:
         super().__init__()
         self.self_attn = Attention(config, layer_id, parallel.attention)
-        self.mlp, self.parallel = mlp, parallel
+        # The context the feed-forward block was built with: a block whole on every rank
+        # (--moe-dense-tp-size 1) runs on this rank's rows alone under data-parallel attention.
+        self.mlp, self.mlp_parallel = mlp, getattr(mlp, "parallel", parallel)
         self.input_layernorm = RMSNorm(config.hidden_size, norm_eps(config))
         self.post_attention_layernorm = RMSNorm(config.hidden_size, norm_eps(config))
 
@@ -256,7 +258,7 @@ class DecoderLayer(nn.Module):
         else:
             x, residual = self.input_layernorm(x, residual)
         x, residual = self.post_attention_layernorm(self.self_attn(x, rotary, batch), residual)
-        return self.parallel.run_gathered(self.mlp, x), residual
+        return self.mlp_parallel.run_gathered(self.mlp, x), residual
 
 
 class LlamaForCausalLM(nn.Module):

@@ -5,7 +5,7 @@ per-head norms, OLMoE with norms over the whole query and key projections); thei
 blocks are sparse: a router scores the experts, each token runs through its top-k
 (srv.sdk.moe.FusedMoE, on the runner the launch chose), Qwen2-MoE adds a shared expert scaled by
 a sigmoid gate of its own. Qwen's configs may keep some layers dense (`mlp_only_layers`,
-`decoder_sparse_step`).
+`decoder_sparse_step`); `--moe-dense-tp-size 1` keeps those whole on every rank.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ class MoEForCausalLM(LlamaForCausalLM):
     def build_mlp(self, config: Any, layer: int, parallel: ParallelContext) -> nn.Module:
         if is_sparse(config, layer):
             return SparseMoeBlock(config, layer, parallel, self.moe)
-        return MLP(config, parallel)
+        return MLP(config, ParallelContext() if self.moe.dense_tp_size == 1 else parallel)
 
     def rename(self, name: str) -> str:
         return name.replace(".block_sparse_moe.", ".mlp.")   # Mixtral's checkpoint names
