@@ -201,8 +201,6 @@ def test_help_groups_every_flag_by_the_reference_sections():
 def test_server_arguments_doc_is_generated_and_fresh():
     committed = (ROOT / "docs" / "server_arguments.md").read_text(encoding="utf-8")
     assert committed == docs.render_markdown(), "docs/server_arguments.md is stale: run `make docs`"
-
-
 # Flags accepted but not implemented yet, as of this commit.
 EXPECTED_NOT_SUPPORTED_YET = {
     "--enable-multimodal", "--limit-mm-data-per-request",
@@ -210,16 +208,11 @@ EXPECTED_NOT_SUPPORTED_YET = {
     "--hybrid-kvcache-ratio", "--swa-full-tokens-ratio",
     "--disable-hybrid-swa-memory", "--elastic-ep-backend", "--mooncake-ib-device",
     "--base-gpu-id",
-    "--gpu-id-step", "--mm-process-config", 
-    
-    
-    
-    "--kv-events-config", 
+    "--gpu-id-step", "--mm-process-config",
     "--load-watch-interval", "--prefill-round-robin-balance",
     "--mm-attention-backend", "--nsa-prefill",
     "--nsa-decode", "--fp8-gemm-backend", "--disable-flashinfer-autotune",
     "--flashinfer-mxfp4-moe-precision", "--enable-flashinfer-allreduce-fusion", "--deepep-mode",
-
     "--deepep-config",
     "--max-mamba-cache-size", "--mamba-ssm-dtype", "--mamba-full-memory-ratio",
     "--mamba-scheduler-strategy", "--mamba-track-interval",

@@ -35,7 +35,7 @@ def test_builtin_plugins_load_through_entry_points():
     builtin = {p["name"]: p for p in report["plugins"] if p["distribution"] == "srv"}
     assert "cache" in builtin
     assert builtin["cache"]["hooks"] == ["srv_register_eviction_policies", "srv_register_hicache_storage_backends",
-                                         "srv_register_kv_cache_dtypes"]
+                                         "srv_register_kv_cache_dtypes", "srv_register_kv_events_publishers"]
     policies = {b["name"]: b for b in report["backends"]["eviction_policy"]}
     assert set(policies) >= {"lru", "lfu"}
     assert policies["lru"]["available"] and policies["lru"]["distribution"] == "srv"

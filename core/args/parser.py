@@ -83,6 +83,8 @@ def build_launch_parser(manager: PluginManager, registry: BackendRegistry) -> La
         group = groups.get(spec.section) or groups.setdefault(spec.section, parser.add_argument_group(spec.section))
         _add_flag(group, spec, registry)
     manager.add_launch_arguments(parser)
+    # Not a flag: which data-parallel group a scheduler serves (spawn_scheduler_processes sets it).
+    parser.set_defaults(data_parallel_rank=0)
     return parser
 
 
@@ -217,6 +219,20 @@ def check_launch_args(args: argparse.Namespace, parser: LaunchArgumentParser) ->
         if args.skip_server_warmup and args.tensor_parallel_size * args.pipeline_parallel_size > 1:
             parser.error("--delete-ckpt-after-loading deletes the checkpoint after the warm-up, which every rank "
                          "takes part in: it cannot be combined with --skip-server-warmup under tp or pp > 1")
+    if args.kv_events_config:
+        try:
+            config = json.loads(args.kv_events_config)
+        except ValueError as exc:
+            parser.error(f"--kv-events-config is not valid JSON: {exc}")
+        if not isinstance(config, dict):
+            parser.error("--kv-events-config must be a JSON object")
+        try:
+            parser.registry.choose("kv_events_publisher", config.get("publisher", "null"))
+        except BackendError as exc:
+            parser.error(f"--kv-events-config: {exc}")
+        if args.disable_radix_cache:
+            parser.error("--kv-events-config publishes the prefix cache's changes: it needs the prefix cache "
+                         "(drop --disable-radix-cache)")
     if args.dynamic_batch_tokenizer_batch_timeout < 0:
         parser.error("--dynamic-batch-tokenizer-batch-timeout must be at least 0")
     for flag in ("--scheduler-recv-interval", "--num-continuous-decode-steps", "--dynamic-batch-tokenizer-batch-size"):

@@ -25,7 +25,6 @@ NOT_SUPPORTED_YET = frozenset({
     "--gpu-id-step",
     "--mm-process-config",
     # Logging
-    "--kv-events-config",
     # Data parallelism
     "--load-watch-interval",
     "--prefill-round-robin-balance",

@@ -79,8 +79,9 @@ class Engine:
     # ---- the scheduler thread ----------------------------------------------------------------
 
     def _run_scheduler(self) -> None:
-        loop = SchedulerLoop(self.scheduler)
+        loop = None
         try:
+            loop = SchedulerLoop(self.scheduler)
             while not self._stopped.is_set():
                 outputs = []
                 try:
@@ -99,6 +100,8 @@ class Engine:
             logger.exception("scheduler failed")
             self._events.call_soon_threadsafe(self.frontend.fail_all, f"scheduler failed: {exc!r}")
         finally:
+            if loop is not None:
+                loop.close()
             self.scheduler.close()
 
     # ---- requests -------------------------------------------------------------------------------

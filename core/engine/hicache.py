@@ -36,7 +36,7 @@ import torch
 
 from srv.engine.host_kv import HostKVPool
 from srv.engine.memory import PagedSlotAllocator
-from srv.engine.radix_cache import RadixCache, TreeNode
+from srv.engine.radix_cache import RadixCache, TreeNode, split_block_hashes
 from srv.sdk.attention import KVCache
 from srv.sdk.cache import DEVICE, HOST, STORAGE, EvictionPolicy, HiCacheStorage, HiCacheStorageConfig
 
@@ -269,6 +269,7 @@ class HiRadixCache(RadixCache):
         pages = at // self.page_size
         upper = HiNode(node.key[:at], None if node.value is None else node.value[:at], node.parent)
         upper.lock_ref, upper.hit_count, upper.last_access_time = node.lock_ref, node.hit_count, node.last_access_time
+        split_block_hashes(node, upper, pages)
         upper.host = None if node.host is None else node.host[:pages]
         upper.keys, upper.stored, upper.pinned = node.keys[:pages], node.stored, node.pinned
         upper.from_storage = node.from_storage
@@ -360,6 +361,7 @@ class HiRadixCache(RadixCache):
                     leaf.keys = page_keys(self._last_key(node), leaf.key, self.page_size)
                 node.children[self._child_key(leaf.key)] = leaf
                 self.evictable_tokens += leaf.num_tokens
+                self._record_stored(leaf)
                 if self.write_policy == "write_through":
                     self._back_up(leaf)
                 return pos if already is None else already
@@ -369,6 +371,7 @@ class HiRadixCache(RadixCache):
             if child.value is None:   # held by a lower tier only: the caller's slots join the pool
                 child.value = slots[pos:pos + common].clone()
                 self.evictable_tokens += common
+                self._record_stored(child)
                 already = pos if already is None else already
             child.last_access_time = now
             node, pos = child, pos + common
@@ -389,6 +392,7 @@ class HiRadixCache(RadixCache):
                 self._back_up(node)
             self.allocator.free_slots(node.value)
             node.value = None
+            self._record_removed(node)
             freed += node.num_tokens
             self.evicted_tokens += node.num_tokens
             self.evictable_tokens -= node.num_tokens
@@ -410,6 +414,7 @@ class HiRadixCache(RadixCache):
         for rid in list(self.storage.prefetches if self.storage is not None else ()):
             self.storage.take(rid)
         self.reset()
+        self._record_cleared()
         return True
 
     # ---- loading back ------------------------------------------------------------------------
@@ -512,6 +517,7 @@ class HiRadixCache(RadixCache):
         self.host.to_device(node.host, slots, self.kv_cache())
         node.value = slots
         self.evictable_tokens += count
+        self._record_stored(node)
         self.counters["host_to_device_bytes"] += count // self.page_size * self.host.page_nbytes
         self.counters["storage_hit_tokens" if node.from_storage else "host_hit_tokens"] += count
         node.from_storage = False

@@ -95,7 +95,7 @@ class ModelRunner:
         if args.enable_dp_attention and tensor_parallel is None:
             from srv.engine.dp_attention import DataParallelAttention
 
-            tensor_parallel = DataParallelAttention(args, args.dp_attention_rank, args.dp_attention_address)
+            tensor_parallel = DataParallelAttention(args, args.data_parallel_rank, args.dp_attention_address)
         elif args.tensor_parallel_size * args.pipeline_parallel_size > 1 and tensor_parallel is None:
             from srv.engine.tensor_parallel import join_as_rank_zero
 

@@ -4,6 +4,9 @@ Keys are whole pages (`page_size` tokens), so every node's slots are whole pages
 is always page-aligned. A node in use by a running request is locked (a reference count on it
 and its ancestors) and never evicted; unlocked leaves are evicted in the order the eviction
 policy plugin gives.
+
+Under `--kv-events-config` (`events` set) the cache records what enters and leaves the KV pool
+as srv.sdk.kv_events events, its pages as blocks; the scheduler takes them after each step.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import torch
 
 from srv.engine.memory import PagedSlotAllocator
 from srv.sdk.cache import EvictionPolicy, PrefixCache
+from srv.sdk.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, block_hashes
 
 _tiebreak = itertools.count()
 
@@ -30,6 +34,7 @@ class TreeNode:
         self.lock_ref = 0
         self.hit_count = 0
         self.last_access_time = time.monotonic()
+        self.block_hashes: list[int] | None = None   # its pages' (srv.sdk.kv_events), once asked for
 
     @property
     def num_tokens(self) -> int:
@@ -38,6 +43,9 @@ class TreeNode:
 
 class RadixCache(PrefixCache):
     node_class = TreeNode
+
+    # The KV events recorded since the scheduler last took them (None: not recorded).
+    events: list[KVCacheEvent] | None = None
 
     def __init__(self, allocator: PagedSlotAllocator, policy: EvictionPolicy) -> None:
         self.allocator = allocator
@@ -49,8 +57,37 @@ class RadixCache(PrefixCache):
     def reset(self) -> None:
         self.root = self.node_class([], torch.empty(0, dtype=torch.int64), None)
         self.root.lock_ref = 1
+        self.root.block_hashes = []
         self.evictable_tokens = 0
         self.protected_tokens = 0
+
+    # ---- KV events -------------------------------------------------------------------------
+
+    def _hashes(self, node: TreeNode) -> list[int]:
+        if node.block_hashes is None:
+            parent = self._hashes(node.parent)
+            node.block_hashes = block_hashes(parent[-1] if parent else None, node.key, self.page_size)
+        return node.block_hashes
+
+    def _record_stored(self, node: TreeNode) -> None:
+        """`node`'s pages entered the KV pool."""
+        if self.events is not None:
+            parent = self._hashes(node.parent)
+            self.events.append(BlockStored(self._hashes(node), parent[-1] if parent else None, list(node.key),
+                                           self.page_size, None, None))
+
+    def _record_removed(self, node: TreeNode) -> None:
+        """`node`'s pages left the KV pool."""
+        if self.events is not None:
+            self.events.append(BlockRemoved(self._hashes(node), None))
+
+    def _record_cleared(self) -> None:
+        if self.events is not None:
+            self.events.append(AllBlocksCleared())
+
+    def take_events(self) -> list[KVCacheEvent]:
+        events, self.events = self.events or [], [] if self.events is not None else None
+        return events
 
     def _child_key(self, tokens: list[int]) -> tuple[int, ...]:
         return tuple(tokens[: self.page_size])
@@ -67,6 +104,7 @@ class RadixCache(PrefixCache):
         """Cut `node` after `at` tokens; returns the new upper part."""
         upper = self.node_class(node.key[:at], node.value[:at], node.parent)
         upper.lock_ref, upper.hit_count, upper.last_access_time = node.lock_ref, node.hit_count, node.last_access_time
+        split_block_hashes(node, upper, at // self.page_size)
         upper.children[self._child_key(node.key[at:])] = node
         node.parent.children[self._child_key(node.key)] = upper
         node.key, node.value, node.parent = node.key[at:], node.value[at:], upper
@@ -113,6 +151,7 @@ class RadixCache(PrefixCache):
                 leaf = self.node_class(tokens[pos:], slots[pos:].clone(), node)
                 node.children[self._child_key(leaf.key)] = leaf
                 self.evictable_tokens += leaf.num_tokens
+                self._record_stored(leaf)
                 return pos
             common = self._common_pages(child.key, tokens[pos:])
             if common < child.num_tokens:
@@ -145,6 +184,7 @@ class RadixCache(PrefixCache):
         while freed < num_tokens and heap:
             _, _, leaf = heapq.heappop(heap)
             self.allocator.free_slots(leaf.value)
+            self._record_removed(leaf)
             freed += leaf.num_tokens
             self.evicted_tokens += leaf.num_tokens
             self.evictable_tokens -= leaf.num_tokens
@@ -169,4 +209,11 @@ class RadixCache(PrefixCache):
             return False
         self.evict(self.evictable_tokens)
         self.reset()
+        self._record_cleared()
         return True
+
+
+def split_block_hashes(lower: TreeNode, upper: TreeNode, pages: int) -> None:
+    """A node cut in two (`upper` its first `pages` pages): each keeps its own pages' hashes."""
+    if lower.block_hashes is not None:
+        upper.block_hashes, lower.block_hashes = lower.block_hashes[:pages], lower.block_hashes[pages:]

@@ -9,6 +9,7 @@ propagates, and ends the process with its crash dump.
 from __future__ import annotations
 
 import collections
+import json
 import logging
 import os
 import time
@@ -18,6 +19,7 @@ from srv.engine.io import AbortRequest, ControlRequest, ControlResult, GenerateR
 from srv.engine.expert_distribution import ExpertDistributionRecorder, balancedness
 from srv.engine.expert_location import placement_span
 from srv.engine.profiler import StepProfiler
+from srv.sdk.kv_events import KVEventBatch, KVEventPublisher
 from srv.sdk.moe import FusedMoE, config_num_experts, rank_utilization
 from srv.engine.request import Req
 from srv.engine.scheduler import Scheduler
@@ -63,6 +65,7 @@ class SchedulerLoop:
         # --enable-dp-attention: this rank's rounds with the others (srv.engine.dp_attention).
         runner = scheduler.runner
         self.lockstep = runner.tensor_parallel if runner.parallel.attention_data_parallel else None
+        self.kv_events = self._kv_events_publisher()
 
     @property
     def has_work(self) -> bool:
@@ -143,7 +146,26 @@ class SchedulerLoop:
         outputs = self._step()
         if self.lockstep is not None and runner.passes == passes:
             runner.idle_round()
+        if self.kv_events is not None:
+            events = self.scheduler.tree.take_events()
+            if events:
+                self.kv_events.publish(KVEventBatch(time.time(), events, self.scheduler.args.data_parallel_rank))
         return outputs
+
+    def _kv_events_publisher(self) -> KVEventPublisher | None:
+        """--kv-events-config: the publisher it names, and the prefix cache set to record events."""
+        args, tree = self.scheduler.args, self.scheduler.tree
+        if not args.kv_events_config or tree is None:
+            return None
+        config = json.loads(args.kv_events_config)
+        publisher = self.scheduler.runner.registry.choose("kv_events_publisher", config.get("publisher", "null"))
+        tree.events = []
+        return publisher.create(config, args.data_parallel_rank)
+
+    def close(self) -> None:
+        """The server is stopping: send the KV events still queued."""
+        if self.kv_events is not None:
+            self.kv_events.close()
 
     def _step(self) -> list[RequestOutput | ControlResult]:
         if self.paused:

@@ -55,6 +55,8 @@ FAMILIES: tuple[Family, ...] = (
            ("--radix-eviction-policy",)),
     Family("hicache_storage", "srv_register_hicache_storage_backends",
            "hierarchical-cache storage backends", ("--hicache-storage-backend",)),
+    Family("kv_events_publisher", "srv_register_kv_events_publishers",
+           "KV cache event publishers (the \"publisher\" of the JSON config)", ("--kv-events-config",)),
     Family("speculative_algorithm", "srv_register_speculative_algorithms",
            "speculative decoding algorithms", ("--speculative-algorithm",)),
     Family("model_impl", "srv_register_model_impls", "model implementations", ("--model-impl",)),
@@ -117,6 +119,14 @@ def srv_register_moe_a2a_backends(register: Register) -> None:
     """Register MoE all-to-all dispatchers (`--moe-a2a-backend`).
 
     factory(server_args) -> srv.sdk.moe.MoEDispatcher
+    """
+
+
+@hookspec
+def srv_register_kv_events_publishers(register: Register) -> None:
+    """Register KV cache event publishers (`--kv-events-config '{"publisher": NAME, ...}'`).
+
+    factory(config: dict, data_parallel_rank: int) -> srv.sdk.kv_events.KVEventPublisher
     """
 
 

@@ -93,6 +93,7 @@ def run_scheduler_process(args: Namespace, sockets: SchedulerSockets) -> None:
 
         runner, scheduler = build_scheduler(args, load_plugins()[1],
                                             lambda model_dir: outputs.send_pyobj(ModelDirKnown(str(model_dir))))
+        loop = SchedulerLoop(scheduler)
     except Exception as exc:
         logger.exception("the scheduler could not start")
         outputs.send_pyobj(SchedulerFailed(f"{type(exc).__name__}: {exc}"))
@@ -117,7 +118,8 @@ def run_scheduler_process(args: Namespace, sockets: SchedulerSockets) -> None:
     # Not beside the weights' loading (it slowed that by half), nor beside the first requests.
     scheduler.load_tokenizer_when_idle()
     try:
-        _serve(SchedulerLoop(scheduler), Watchdog(args.watchdog_timeout), requests, outputs)
+        _serve(loop, Watchdog(args.watchdog_timeout), requests, outputs)
+        loop.close()
     except BaseException:
         # A fault the loop does not absorb (--crash-on-nan's, or one in its failure handling)
         # ends the process at once: a normal interpreter exit would wait forever on the ZMQ
@@ -244,8 +246,9 @@ def spawn_scheduler_processes(args: Namespace, early: EarlyScheduler | None = No
         if args.numa_node:   # each group's processes first: srv.engine.numa
             start = group * processes_per_group(args)
             group_args.numa_node = args.numa_node[start:] + args.numa_node[:start]
+        group_args.data_parallel_rank = group
         if address is not None:
-            group_args.dp_attention_rank, group_args.dp_attention_address = group, address
+            group_args.dp_attention_address = address
         if group == 0 and early is not None:
             process = early.start(group_args, sockets)
         else:

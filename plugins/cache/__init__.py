@@ -1,6 +1,6 @@
 """Cache plugins: eviction policies for the radix cache (`--radix-eviction-policy`), the KV
-cache's storage formats (`--kv-cache-dtype`) and the hierarchical cache's storage backends
-(`--hicache-storage-backend`)."""
+cache's storage formats (`--kv-cache-dtype`), the hierarchical cache's storage backends
+(`--hicache-storage-backend`) and the publishers of KV cache events (`--kv-events-config`)."""
 
 import importlib.util
 
@@ -60,3 +60,11 @@ def srv_register_hicache_storage_backends(register):
     for name in SERVICE_STORES:
         register(name, "srv.plugins.cache.storage:service_storage", available=needs_service(name),
                  description=f"SGLang's {name} store: needs its service and client")
+
+
+@hookimpl
+def srv_register_kv_events_publishers(register):
+    register("zmq", "srv.plugins.cache.kv_events:ZmqPublisher", priority=10,
+             description="a ZMQ PUB socket (endpoint, topic), with a ROUTER socket that replays missed batches "
+                         "(replay_endpoint), as vLLM and SGLang publish")
+    register("null", "srv.plugins.cache.kv_events:NullPublisher", description="publishes nothing")

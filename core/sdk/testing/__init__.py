@@ -14,6 +14,7 @@ backend, and pytest runs every check of the kit on it::
 | SamplerKit | sampling | backend_name or sampler_factory | pytorch |
 | EvictionPolicyKit | eviction_policy | backend_name or policy_factory | (contract only) |
 | HiCacheStorageKit | hicache_storage | backend_name or storage_factory, make_config | (contract only) |
+| KVEventPublisherKit | kv_events_publisher | backend_name or publisher_factory, make_config | (contract only) |
 | GrammarBackendKit | grammar | backend_name or backend_factory | the grammar (jsonschema, re) |
 | ToolCallParserKit | tool_call_parser | backend_name or parser_factory | its own format_calls |
 | ReasoningParserKit | reasoning_parser | backend_name or parser_factory | its own format |
@@ -45,6 +46,7 @@ from srv.sdk.testing.attention import AttentionBackendKit  # noqa: E402
 from srv.sdk.testing.cache import EvictionPolicyKit  # noqa: E402
 from srv.sdk.testing.grammar import GrammarBackendKit  # noqa: E402
 from srv.sdk.testing.hicache_storage import HiCacheStorageKit  # noqa: E402
+from srv.sdk.testing.kv_events import KVEventPublisherKit  # noqa: E402
 from srv.sdk.testing.lora import LoRABackendKit  # noqa: E402
 from srv.sdk.testing.models import ModelImplKit, ModelLoaderKit  # noqa: E402
 from srv.sdk.testing.moe import EPLBAlgorithmKit, MoERunnerKit  # noqa: E402
@@ -65,6 +67,7 @@ __all__ = [
     "EvictionPolicyKit",
     "GrammarBackendKit",
     "HiCacheStorageKit",
+    "KVEventPublisherKit",
     "LoRABackendKit",
     "ModelImplKit",
     "ModelLoaderKit",
