@@ -140,7 +140,8 @@ class SchedulerLoop:
     def step(self) -> list[RequestOutput | ControlResult]:
         """One scheduler step, or --num-continuous-decode-steps decode steps in a row while the
         running requests decode and none waits; each request's new tokens in one output. Under
-        data-parallel attention a step that ran no pass ends with an idle round."""
+        data-parallel attention a step that ran no pass ends with an idle round; under
+        --kv-events-config the prefix cache's changes in the step are published."""
         runner = self.scheduler.runner
         passes = runner.passes
         outputs = self._step()

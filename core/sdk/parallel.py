@@ -211,7 +211,6 @@ class ParallelContext:
             return x
         return torch.cat([part[..., :b - a] for part, a, b in zip(parts, starts, starts[1:])], dim=-1)
 
-
     def all_gather_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, slice]:
         """Data-parallel attention: every rank's rows of x ([rows, features], a count of rows
         per rank, none on a rank in an IDLE pass) in rank order, on every rank, and where this
