@@ -121,3 +121,49 @@ class TestZmqPublisherKit(KVEventPublisherKit):
 
 class TestNullPublisherKit(KVEventPublisherKit):
     backend_name = "null"
+
+
+def test_the_hierarchical_cache_reports_what_enters_and_leaves_its_pool(tiny_models):
+    """Prompts pushed out of a small pool to host memory and loaded back: every block removed was
+    stored before, every block stored again was removed before, and the stored blocks are the
+    prompts' own chained hashes."""
+    from srv.sdk.kv_events import KVEventPublisher
+    from srv.sdk.testing import registered_temporarily
+    from test_hicache import SHORT, hicache, prompts
+
+    batches: list[KVEventBatch] = []
+
+    class Collect(KVEventPublisher):
+        def publish(self, batch):
+            batches.append(batch)
+
+    batch = prompts(4, 60, seed=30)
+    with registered_temporarily("kv_events_publisher", "collect", Collect):
+        with srv.Engine(model_path=str(tiny_models["llama"]), dtype="float32", max_total_tokens=150, page_size=4,
+                        kv_events_config=json.dumps({"publisher": "collect"}), **hicache()) as engine:
+            for _ in range(2):
+                for prompt in batch:
+                    engine.generate(input_ids=prompt, sampling_params=SHORT)
+            assert engine.status()["hicache"]["host_hit_tokens"] > 0
+            assert engine.flush_cache()
+            deadline = time.monotonic() + 10
+            while not any(isinstance(e, AllBlocksCleared) for b in batches for e in b.events):
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+    live: set[int] = set()
+    removed: set[int] = set()
+    back = 0   # blocks stored after their removal: loaded back from the host tier
+    for event in (e for b in batches for e in b.events):
+        if isinstance(event, BlockStored):
+            assert not live & set(event.block_hashes), "a block stored twice without its removal"
+            back += len(removed & set(event.block_hashes))
+            live |= set(event.block_hashes)
+        elif isinstance(event, BlockRemoved):
+            assert set(event.block_hashes) <= live, "a block removed that was not stored"
+            live -= set(event.block_hashes)
+            removed |= set(event.block_hashes)
+        else:
+            live.clear()
+    stored = {h for b in batches for e in b.events if isinstance(e, BlockStored) for h in e.block_hashes}
+    assert {h for prompt in batch for h in block_hashes(None, prompt, 4)} <= stored
+    assert back > 0 and not live
