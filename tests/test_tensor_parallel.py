@@ -133,6 +133,8 @@ def test_default_model_tp2_uneven_heads_matches_hf(default_model_dir):
         assert engine.runner.num_heads == 6 and engine.runner.num_kv_heads == 2
         results = engine.generate(input_ids=prompts, sampling_params=GREEDY)
         assert_matches_hf(engine, default_model_dir, prompts, results)
+        # Decode steps ran every layer in one C call on each rank, all-reducing through a callback.
+        assert any(layers is not None for layers in engine.runner.model.native_layers.values())
 
 
 def test_default_model_pp2_keeps_its_gguf_blocks_and_matches_hf(default_model_dir):

@@ -73,8 +73,32 @@ def kernels() -> ctypes.CDLL | None:
     library.srv_silu_mul.argtypes = [pointer, size, size, pointer]
     library.srv_rotary.argtypes = [pointer, size, size, size, size, pointer, pointer]
     library.srv_decode_layers.argtypes = [pointer, size, pointer, pointer, pointer, pointer, pointer, pointer, size,
-                                          pointer, pointer, pointer, pointer, pointer]
+                                          pointer, pointer, pointer, pointer, pointer, AllReduceFunction]
     return library
+
+
+# srv_decode_layers' all-reduce of a split layer's partial sums: (address of float32 x, count).
+AllReduceFunction = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64)
+
+
+def native_all_reduce(parallel: ParallelContext) -> AllReduceFunction:
+    """The all-reduce srv_decode_layers calls (a null function at one rank): the context's, in
+    place. A collective that fails ends the process, as in the Python layers (an exception
+    cannot cross the C frames)."""
+    if not parallel.is_parallel:
+        return AllReduceFunction()
+
+    def all_reduce(address: int, count: int) -> None:
+        try:
+            x = torch.frombuffer((ctypes.c_float * count).from_address(address), dtype=torch.float32)
+            summed = parallel.all_reduce(x)
+            if summed.data_ptr() != x.data_ptr():
+                x.copy_(summed)
+        except BaseException:
+            logger.exception("rank %d: a collective failed in the native decode layers; exiting", parallel.rank)
+            os._exit(1)
+
+    return AllReduceFunction(all_reduce)
 
 
 class NativeDecoderLayer(ctypes.Structure):
@@ -303,6 +327,7 @@ class LlamaForCausalLM(nn.Module):
         # They hold the addresses of the weights, which must not be replaced after the first decode
         # step (srv never does; the loader and the quantization run before it).
         self.native_layers: dict[tuple[int, torch.dtype], ctypes.Array | None] = {}
+        self.native_all_reduce = native_all_reduce(parallel)   # kept: C holds its address during a step
         self.float32_norms: dict[int, RMSNorm] = {}
 
     def build_mlp(self, config: Any, layer: int, parallel: ParallelContext) -> nn.Module:
@@ -365,7 +390,9 @@ class LlamaForCausalLM(nn.Module):
         products = native_products_dtype(x.dtype, rows)
         if not batch.is_decode or products is None:
             return None
-        if self.parallel.is_parallel or self.parallel.is_pipelined:   # the C layers have no collectives
+        # A pipeline stage after the first starts from a residual stream the C layers do not take;
+        # under data-parallel attention the MLPs run on every rank's rows.
+        if self.parallel.is_pipelined or self.parallel.attention_data_parallel:
             return None
         if (rows, products) not in self.native_layers:
             self.native_layers[rows, products] = self._native_layers(rows, products)
@@ -382,7 +409,8 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = rotary
         kernels().srv_decode_layers(ctypes.addressof(layers), len(layers), ctypes.addressof(shapes),
                                     ctypes.addressof(attention), cos.data_ptr(), sin.data_ptr(), x.data_ptr(),
-                                    residual.data_ptr(), rows, *(t.data_ptr() for t in scratch))
+                                    residual.data_ptr(), rows, *(t.data_ptr() for t in scratch),
+                                    self.native_all_reduce)
         if products != torch.float32:
             return x.to(products), residual.to(products)
         return x, residual

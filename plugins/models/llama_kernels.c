@@ -105,6 +105,10 @@ static inline void linear(const NativeKernel *kernel, const float *x, int64_t ro
     ((LinearFunction)kernel->function)(kernel->context, x, rows, y);
 }
 
+/* Under tensor parallelism: the partial sums of a split layer's output (x, count floats) added
+ * up over the ranks, in place. NULL at one rank. */
+typedef void (*AllReduceFunction)(float *x, int64_t count);
+
 typedef struct {
     NativeKernel qkv, o, gate_up, down;
     const float *input_norm, *post_attention_norm;
@@ -119,10 +123,13 @@ typedef struct {
  * kernels in the same order on the same buffers, so the results are the same to the bit.
  * x [rows][hidden]: the embeddings in, the last layer's MLP output out; residual: the residual
  * stream before that output. The rest is scratch, float32 rows: qkv [heads + 2 kv_heads][head_dim],
- * attention [heads][head_dim], normed [hidden], gate_up [2 intermediate], activation [intermediate]. */
+ * attention [heads][head_dim], normed [hidden], gate_up [2 intermediate], activation [intermediate].
+ * Under tensor parallelism each rank runs its share of the heads and features, and `all_reduce`
+ * adds up the attention output's and the MLP output's partial sums, where the Python layers do. */
 void srv_decode_layers(const DecoderLayer *layers, int64_t count, const LayerShapes *shape,
                        const NativeKernel *attention, const float *cos, const float *sin, float *x, float *residual,
-                       int64_t rows, float *qkv, float *attended, float *normed, float *gate_up, float *activation) {
+                       int64_t rows, float *qkv, float *attended, float *normed, float *gate_up, float *activation,
+                       AllReduceFunction all_reduce) {
     const int64_t hidden = shape->hidden, d = shape->head_dim;
     const int64_t q_size = shape->heads * d, kv_size = shape->kv_heads * d, qkv_size = q_size + 2 * kv_size;
     const DecodeAttentionFunction attend = (DecodeAttentionFunction)attention->function;
@@ -138,9 +145,11 @@ void srv_decode_layers(const DecoderLayer *layers, int64_t count, const LayerSha
         srv_rotary(qkv, rows, shape->heads + shape->kv_heads, d, qkv_size, cos, sin);
         attend(attention->context, l, qkv, qkv_size, qkv + q_size, qkv + q_size + kv_size, qkv_size, attended);
         linear(&layer->o, attended, rows, x);
+        if (all_reduce) all_reduce(x, rows * hidden);
         srv_add_rms_norm(residual, x, rows, hidden, layer->post_attention_norm, shape->eps, normed);
         linear(&layer->gate_up, normed, rows, gate_up);
         srv_silu_mul(gate_up, rows, shape->intermediate, activation);
         linear(&layer->down, activation, rows, x);
+        if (all_reduce) all_reduce(x, rows * hidden);
     }
 }
