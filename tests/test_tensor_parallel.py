@@ -144,6 +144,9 @@ def test_default_model_pp2_keeps_its_gguf_blocks_and_matches_hf(default_model_di
         assert engine.runner.quantization_name == "gguf" and engine.runner.kv_layers == 15
         results = engine.generate(input_ids=prompts, sampling_params=GREEDY)
         assert_matches_hf(engine, default_model_dir, prompts, results)
+        # The first stage's decode steps ran its 15 layers in one C call (the second's, from the
+        # residual stream the first sent, in its own process).
+        assert any(layers is not None and len(layers) == 15 for layers in engine.runner.model.native_layers.values())
 
 
 @pytest.mark.parametrize("flags, message", [

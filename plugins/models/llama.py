@@ -73,7 +73,7 @@ def kernels() -> ctypes.CDLL | None:
     library.srv_silu_mul.argtypes = [pointer, size, size, pointer]
     library.srv_rotary.argtypes = [pointer, size, size, size, size, pointer, pointer]
     library.srv_decode_layers.argtypes = [pointer, size, pointer, pointer, pointer, pointer, pointer, pointer, size,
-                                          pointer, pointer, pointer, pointer, pointer, AllReduceFunction]
+                                          pointer, pointer, pointer, pointer, pointer, AllReduceFunction, size]
     return library
 
 
@@ -348,7 +348,7 @@ class LlamaForCausalLM(nn.Module):
         rotary = self.rotary(batch.positions)
         if not batch.is_idle:
             batch.attention.prepare(batch)
-        native = None if batch.capture_layers else self._decode_natively(x, rotary, batch)
+        native = None if batch.capture_layers else self._decode_natively(x, residual, rotary, batch)
         captured: dict[int, torch.Tensor] = {}
         if native is None:
             for i in range(self.start, self.end):
@@ -379,8 +379,8 @@ class LlamaForCausalLM(nn.Module):
             copy.weight.data = norm.weight.detach().float()
         return copy
 
-    def _decode_natively(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor],
-                         batch: ForwardBatch) -> torch.Tensor | None:
+    def _decode_natively(self, x: torch.Tensor, residual: torch.Tensor | None,
+                         rotary: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch) -> torch.Tensor | None:
         """A decode step's layers in one C call, when every product and the attention have a
         kernel (srv.sdk.native.NativeKernel): x becomes the last layer's output, and the residual
         stream is returned. The Python layers call the same kernels in the same order; one call
@@ -390,9 +390,7 @@ class LlamaForCausalLM(nn.Module):
         products = native_products_dtype(x.dtype, rows)
         if not batch.is_decode or products is None:
             return None
-        # A pipeline stage after the first starts from a residual stream the C layers do not take;
-        # under data-parallel attention the MLPs run on every rank's rows.
-        if self.parallel.is_pipelined or self.parallel.attention_data_parallel:
+        if self.parallel.attention_data_parallel:   # the MLPs run on every rank's rows
             return None
         if (rows, products) not in self.native_layers:
             self.native_layers[rows, products] = self._native_layers(rows, products)
@@ -402,7 +400,8 @@ class LlamaForCausalLM(nn.Module):
             return None
         x = x.float()
         shapes = self.shapes
-        residual = torch.empty_like(x)
+        given = residual is not None   # a later pipeline stage's: the stream so far
+        residual = residual.float().contiguous() if given else torch.empty_like(x)
         scratch = [torch.empty(rows, size) for size in (
             (shapes.heads + 2 * shapes.kv_heads) * shapes.head_dim, shapes.heads * shapes.head_dim, shapes.hidden,
             2 * shapes.intermediate, shapes.intermediate)]
@@ -410,7 +409,7 @@ class LlamaForCausalLM(nn.Module):
         kernels().srv_decode_layers(ctypes.addressof(layers), len(layers), ctypes.addressof(shapes),
                                     ctypes.addressof(attention), cos.data_ptr(), sin.data_ptr(), x.data_ptr(),
                                     residual.data_ptr(), rows, *(t.data_ptr() for t in scratch),
-                                    self.native_all_reduce)
+                                    self.native_all_reduce, int(given))
         if products != torch.float32:
             return x.to(products), residual.to(products)
         return x, residual
@@ -419,9 +418,10 @@ class LlamaForCausalLM(nn.Module):
         if kernels() is None or has_forward_hooks(self):   # a hooked module runs where torch calls its hooks
             return None
         layers = []
-        for layer in self.layers:
+        for layer in self.layers[self.start:self.end]:   # this pipeline stage's
             attention, mlp = layer.self_attn, layer.mlp
-            if attention.qk_norm or attention.full_qk_norm or attention.clip_qkv is not None or type(mlp) is not MLP:
+            if attention.qk_norm or attention.full_qk_norm or attention.clip_qkv is not None or type(mlp) is not MLP \
+                    or mlp.parallel is not self.parallel:   # a block whole on each rank needs no all-reduce
                 return None
             offered = [native_product(module, rows, products) for module in
                         (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)]
@@ -430,8 +430,8 @@ class LlamaForCausalLM(nn.Module):
             norms = [norm if norm.weight.dtype == torch.float32 else self._float32_copy(norm)
                      for norm in (layer.input_layernorm, layer.post_attention_layernorm)]
             layers.append(NativeDecoderLayer(*offered, *(norm.weight.data_ptr() for norm in norms)))
-        if products == torch.float32 and native_product(self.lm_head, rows, products) is None and \
-                (getattr(self.lm_head, "weight_dtype", None) or self.lm_head.weight.dtype) != torch.float32:
+        if self.lm_head is not None and products == torch.float32 and native_product(self.lm_head, rows, products) \
+                is None and (getattr(self.lm_head, "weight_dtype", None) or self.lm_head.weight.dtype) != torch.float32:
             return None   # the head takes the float32 rows only from a kernel
         return (NativeDecoderLayer * len(layers))(*layers)
 

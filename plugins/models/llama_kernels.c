@@ -122,20 +122,21 @@ typedef struct {
 /* Every decoder layer of a decode step, as DecoderLayer.forward runs them one by one: the same
  * kernels in the same order on the same buffers, so the results are the same to the bit.
  * x [rows][hidden]: the embeddings in, the last layer's MLP output out; residual: the residual
- * stream before that output. The rest is scratch, float32 rows: qkv [heads + 2 kv_heads][head_dim],
+ * stream before that output. A pipeline stage after the first is given the previous stage's
+ * output in x and its residual stream in residual (`residual_given`). The rest is scratch, float32 rows: qkv [heads + 2 kv_heads][head_dim],
  * attention [heads][head_dim], normed [hidden], gate_up [2 intermediate], activation [intermediate].
  * Under tensor parallelism each rank runs its share of the heads and features, and `all_reduce`
  * adds up the attention output's and the MLP output's partial sums, where the Python layers do. */
 void srv_decode_layers(const DecoderLayer *layers, int64_t count, const LayerShapes *shape,
                        const NativeKernel *attention, const float *cos, const float *sin, float *x, float *residual,
                        int64_t rows, float *qkv, float *attended, float *normed, float *gate_up, float *activation,
-                       AllReduceFunction all_reduce) {
+                       AllReduceFunction all_reduce, int64_t residual_given) {
     const int64_t hidden = shape->hidden, d = shape->head_dim;
     const int64_t q_size = shape->heads * d, kv_size = shape->kv_heads * d, qkv_size = q_size + 2 * kv_size;
     const DecodeAttentionFunction attend = (DecodeAttentionFunction)attention->function;
     for (int64_t l = 0; l < count; l++) {
         const DecoderLayer *layer = layers + l;
-        if (l == 0) {
+        if (l == 0 && !residual_given) {
             memcpy(residual, x, (size_t)(rows * hidden) * sizeof(float));
             srv_rms_norm(x, rows, hidden, hidden, layer->input_norm, shape->eps, normed);
         } else {
