@@ -177,3 +177,26 @@ def test_dp_attention_layouts_srv_cannot_run_are_refused(flags, message, capsys)
     with pytest.raises(SystemExit):
         parse_launch_args(flags, manager, registry)
     assert message in capsys.readouterr().err
+
+
+def test_a_dead_dp_attention_rank_ends_the_server(tiny_models):
+    """The other rank would wait in its next collective: the server sees a scheduler die, exits
+    non-zero, and every process it started goes."""
+    import os
+    import signal
+
+    from test_server import assert_gone, descendants
+
+    server = Server("--model-path", str(tiny_models["llama"]), "--tp-size", "2", "--dp-size", "2",
+                    "--enable-dp-attention", "--skip-server-warmup", "--max-total-tokens", "4096")
+    try:
+        reply = httpx.post(f"{server.base}/generate", timeout=120,
+                           json={"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 4}})
+        assert reply.status_code == 200
+        children = descendants(server.process.pid)
+        os.kill(server.scheduler_status()["data_parallel_groups"][1]["pid"], signal.SIGKILL)
+        assert server.process.wait(timeout=60) != 0
+        assert_gone(children)
+    finally:
+        if server.process.poll() is None:
+            server.process.kill()
