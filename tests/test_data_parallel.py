@@ -173,9 +173,8 @@ def test_dp_attention_layouts_srv_cannot_run_are_refused(flags, message, capsys)
     from srv.args.parser import parse_launch_args
     from srv.plugin_manager import load_plugins
 
-    manager, registry = load_plugins()
     with pytest.raises(SystemExit):
-        parse_launch_args(flags, manager, registry)
+        parse_launch_args(flags, *load_plugins())
     assert message in capsys.readouterr().err
 
 

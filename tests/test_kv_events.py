@@ -106,9 +106,8 @@ def test_a_key_the_publisher_does_not_take_is_refused():
     (["--kv-events-config", '{"publisher": "zmq"}', "--disable-radix-cache"], "needs the prefix cache"),
 ])
 def test_configs_srv_cannot_honour_are_refused_at_launch(flags, message, capsys):
-    manager, registry = load_plugins()
     with pytest.raises(SystemExit):
-        parse_launch_args(flags, manager, registry)
+        parse_launch_args(flags, *load_plugins())
     assert message in capsys.readouterr().err
 
 
