@@ -200,8 +200,8 @@ def count_native_steps(monkeypatch) -> list[bool]:
     native_steps: list[bool] = []
     decode_natively = LlamaForCausalLM._decode_natively
 
-    def counted(self, x, rotary, batch):
-        native = decode_natively(self, x, rotary, batch)
+    def counted(self, *args):
+        native = decode_natively(self, *args)
         native_steps.append(native is not None)
         return native
 
@@ -221,7 +221,7 @@ def test_decode_layers_run_in_one_native_call_with_the_python_layers_results(mon
     counted = LlamaForCausalLM._decode_natively
 
     def same_as_python(step, args, logits):
-        monkeypatch.setattr(LlamaForCausalLM, "_decode_natively", lambda self, x, rotary, batch: None)
+        monkeypatch.setattr(LlamaForCausalLM, "_decode_natively", lambda self, *args: None)
         assert torch.equal(engine.runner.forward(*args).logits, logits), f"decode step {step}"
         monkeypatch.setattr(LlamaForCausalLM, "_decode_natively", counted)
 
@@ -244,7 +244,7 @@ def test_a_bf16_model_decodes_small_batches_natively_in_float32(monkeypatch, qua
         assert engine.runner.dtype == torch.bfloat16
         native_steps = count_native_steps(monkeypatch)
         _, native = drive_decode_steps(engine, 6, tokens)
-        monkeypatch.setattr(LlamaForCausalLM, "_decode_natively", lambda self, x, rotary, batch: None)
+        monkeypatch.setattr(LlamaForCausalLM, "_decode_natively", lambda self, *args: None)
         _, python = drive_decode_steps(engine, 6, tokens)
     assert native_steps == [False] + [True] * 6, "the bf16 model's decode steps did not run natively"
     assert max(gaps(reference, native)) <= max(max(gaps(reference, python)), BF16_LOGPROB_TOLERANCE)
@@ -268,7 +268,7 @@ def test_a_bf16_model_decodes_larger_batches_natively_in_bf16_arithmetic(monkeyp
     with srv.Engine(dtype="bfloat16") as engine:
         native_steps = count_native_steps(monkeypatch)
         _, native = drive_decode_steps(engine, 4, tokens, copies=copies)
-        monkeypatch.setattr(llama.LlamaForCausalLM, "_decode_natively", lambda self, x, rotary, batch: None)
+        monkeypatch.setattr(llama.LlamaForCausalLM, "_decode_natively", lambda self, *args: None)
         _, python = drive_decode_steps(engine, 4, tokens, copies=copies)
     assert native_steps == [False] + [True] * 4, "the bf16 model's larger decode steps did not run natively"
     assert max(gaps(reference, native)) <= max(max(gaps(reference, python)), BF16_LOGPROB_TOLERANCE)
