@@ -127,9 +127,9 @@ def test_unsupported_flags_fail_loudly_when_set(name, parser, plugins):
 
 
 def test_unsupported_flag_message_names_the_flag():
-    result = run_srv("launch", "--load-watch-interval", "0.5")
+    result = run_srv("launch", "--cpu-offload-gb", "2")
     assert result.returncode == 2
-    assert "srv launch: error: --load-watch-interval is not supported yet" in result.stderr
+    assert "srv launch: error: --cpu-offload-gb is not supported yet" in result.stderr
 
 
 def test_a_refused_launch_leaves_no_scheduler_process_behind():
@@ -209,7 +209,7 @@ EXPECTED_NOT_SUPPORTED_YET = {
     "--disable-hybrid-swa-memory", "--elastic-ep-backend", "--mooncake-ib-device",
     "--base-gpu-id",
     "--gpu-id-step", "--mm-process-config",
-    "--load-watch-interval", "--prefill-round-robin-balance",
+    "--prefill-round-robin-balance",
     "--mm-attention-backend", "--nsa-prefill",
     "--nsa-decode", "--fp8-gemm-backend", "--disable-flashinfer-autotune",
     "--flashinfer-mxfp4-moe-precision", "--enable-flashinfer-allreduce-fusion", "--deepep-mode",

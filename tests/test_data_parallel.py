@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 
 import httpx
 import pytest
@@ -44,14 +45,52 @@ def test_shortest_queue_counts_requests_in_flight_until_they_finish():
     assert [[m.rid for m in box] for box in sent] == [["r0", "r2", "r3"], ["r1", "r4"]]
 
 
-def test_minimum_tokens_weighs_prompts_and_tokens_to_generate():
+def test_minimum_tokens_weighs_the_prompts_sent_before_any_load_is_reported():
     r, sent = router("minimum_tokens")
-    r.send(request("long", 500, new=100))  # group 0: 600 tokens
-    r.send(request("a", 10, new=10))       # group 1: 20
-    r.send(request("b", 10, new=10))       # group 1: 40
-    r.send(request("c", 300, new=10))      # group 1: 350
-    r.send(request("d", 10, new=10))       # group 1: 370 < 600
+    r.send(request("long", 500))   # group 0: 500 tokens
+    r.send(request("a", 10))       # group 1: 10
+    r.send(request("b", 300))      # group 1: 310
+    r.send(request("c", 150))      # group 1: 460 < 500
+    r.send(request("d", 10))       # group 1: 470
     assert [[m.rid for m in box] for box in sent] == [["long"], ["a", "b", "c", "d"]]
+
+
+def test_minimum_tokens_balances_by_the_load_each_group_reports():
+    """Each group's answer to the load call replaces what the router counted for the requests
+    sent before it (a prefix hit or a finished request lowers it); requests sent after the call
+    are added on top until the next answer."""
+    r, sent = router("minimum_tokens")
+    r.send(request("a", 400))                  # group 0
+    r.send(request("b", 300))                  # group 1
+    r.watch_load()
+    calls = [box[-1] for box in sent]
+    assert all(isinstance(call, ControlRequest) and call.method == "load" and call.call_id < 0 for call in calls)
+    r.watch_load()                             # no group answered: nothing asked twice
+    assert [len(box) for box in sent] == [2, 2]
+    r.send(request("c", 50))                   # group 1: 350 < 400
+    # Group 0's request hit the prefix cache and finished: it reports 20 tokens; group 1 still
+    # counts c on top of the 300 it reports.
+    assert r.receive(0, ControlResult(calls[0].call_id, {"num_reqs": 0, "num_waiting_reqs": 0,
+                                                         "num_tokens": 20})) is None
+    assert r.receive(1, ControlResult(calls[1].call_id, {"num_reqs": 1, "num_waiting_reqs": 0,
+                                                         "num_tokens": 300})) is None
+    r.send(request("d", 200))                  # group 0: 20 < 350
+    r.send(request("e", 100))                  # group 0: 220 < 350
+    r.send(request("f", 100))                  # group 0: 320 < 350
+    r.send(request("g", 10))                   # group 1: 350 < 420
+    assert [[m.rid for m in box if isinstance(m, GenerateRequest)] for box in sent] == [["a", "d", "e", "f"],
+                                                                                         ["b", "c", "g"]]
+    r.watch_load()                             # both answered: both asked again
+    assert [len(box) for box in sent] == [6, 5]
+    # A refused call leaves the count as it was, and the group is asked again next time.
+    r.receive(0, ControlResult(sent[0][-1].call_id, None, error="stopping"))
+    r.watch_load()
+    assert isinstance(sent[0][-1], ControlRequest) and len(sent[0]) == 7
+
+
+def test_only_minimum_tokens_watches_the_load():
+    assert [router(method)[0].watches_load for method in ("round_robin", "shortest_queue", "minimum_tokens")] \
+        == [False, False, True]
 
 
 def test_sessions_stay_on_their_group_and_aborts_reach_the_owner():
@@ -125,6 +164,52 @@ def test_dp2_server_gives_each_request_its_output_alone_and_spreads_them_round_r
         assert server.stop() == 0
 
 
+def test_minimum_tokens_server_balances_by_the_load_the_groups_report(tiny_models):
+    """Every 50 ms each group reports its load. A finished request leaves only evictable prefix
+    cache behind, which is no load: the next request may go to the same group. Prompts queued
+    behind a paused server are load: the short requests after a long one go to the other group
+    (round robin would alternate in both cases)."""
+    server = Server("--model-path", str(tiny_models["llama"]), "--dp-size", "2", "--skip-server-warmup",
+                    "--load-balance-method", "minimum_tokens", "--load-watch-interval", "0.05")
+
+    def generate(prompt: list[int]) -> None:
+        body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}}
+        assert httpx.post(f"{server.base}/generate", json=body, timeout=120).status_code == 200
+
+    def load() -> list[dict]:
+        return httpx.get(f"{server.base}/get_load", timeout=30).json()
+
+    try:
+        generate(list(range(100, 400)))   # group 0 (both idle)
+        time.sleep(0.3)                    # group 0 has answered a load call since
+        generate([7] * 8)                  # group 0 again: its cached prompt is not load
+        groups = server.scheduler_status()["data_parallel_groups"]
+        assert [g["generated_tokens"] for g in groups] == [8, 0]
+
+        assert httpx.post(f"{server.base}/pause_generation", json={"mode": "in_place"}, timeout=30).status_code == 200
+        waiting = [threading.Thread(target=generate, args=(list(range(500, 800)),))]   # group 0 (both at 0)
+        waiting[0].start()
+        deadline = time.monotonic() + 30
+        while load()[0]["num_waiting_reqs"] != 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        time.sleep(0.3)
+        for i in range(3):
+            waiting.append(threading.Thread(target=generate, args=([9 + i] * 8,)))
+            waiting[-1].start()
+        while [entry["num_waiting_reqs"] for entry in load()] != [1, 3]:
+            assert time.monotonic() < deadline, load()
+            time.sleep(0.05)
+        assert [entry["dp_rank"] for entry in load()] == [0, 1] and load()[0]["num_tokens"] >= 300
+        assert httpx.post(f"{server.base}/continue_generation", timeout=30).status_code == 200
+        for thread in waiting:
+            thread.join(120)
+        groups = server.scheduler_status()["data_parallel_groups"]
+        assert [g["generated_tokens"] for g in groups] == [12, 12]
+    finally:
+        assert server.stop() == 0
+
+
 @pytest.mark.parametrize("kind, flags", [("llama", ()), ("qwen3", ("--enable-dp-lm-head",)), ("qwen3_moe", ()),
                                          ("qwen2_moe", ("--moe-dense-tp-size", "1"))],
                          ids=["llama-vocab-split-head", "qwen3-tied-dp-lm-head", "qwen3-moe", "qwen2-moe-dense-whole"])
@@ -168,8 +253,9 @@ def test_dp_attention_ranks_step_together_and_give_hf_greedy_tokens(tiny_models,
     (["--enable-dp-lm-head"], "--enable-dp-lm-head needs --enable-dp-attention"),
     (["--enable-dp-attention"], "--enable-dp-attention needs --data-parallel-size > 1"),
     (["--enable-dp-attention", "--dp-size", "2", "--tp-size", "4"], "the sizes must be equal"),
+    (["--dp-size", "2", "--load-watch-interval", "0"], "--load-watch-interval 0.0: the seconds between load calls"),
 ])
-def test_dp_attention_layouts_srv_cannot_run_are_refused(flags, message, capsys):
+def test_data_parallel_layouts_srv_cannot_run_are_refused(flags, message, capsys):
     from srv.args.parser import parse_launch_args
     from srv.plugin_manager import load_plugins
 

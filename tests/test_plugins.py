@@ -83,8 +83,8 @@ def test_a_plugin_that_fails_to_import_is_reported_and_does_not_break_the_rest(f
     assert "ModuleNotFoundError" in failure["error"] and "package_that_does_not_exist" in failure["error"]
     assert {b["name"] for b in report["backends"]["eviction_policy"]} >= {"lru", "lfu"}
     # A launch that does not choose its backends gets past plugin loading to the argument checks ...
-    assert "--load-watch-interval is not supported yet" in run_srv("launch", "--load-watch-interval", "2",
-                                                                 env=fake_dists.env).stderr
+    assert "--cpu-offload-gb is not supported yet" in run_srv("launch", "--cpu-offload-gb", "2",
+                                                            env=fake_dists.env).stderr
     # ... while choosing a backend it would have provided names the failure.
     result = run_srv("launch", "--attention-backend", "brokenkernel", env=fake_dists.env)
     assert result.returncode == 2

@@ -264,6 +264,9 @@ def parallel_refusals(args: argparse.Namespace) -> list[str]:
     if args.data_parallel_size > 1 and nnodes > 1:
         refused.append("--data-parallel-size > 1 across --nnodes > 1 is not supported yet: each node runs its own "
                        "data-parallel groups behind its own server")
+    if not args.load_watch_interval > 0:
+        refused.append(f"--load-watch-interval {args.load_watch_interval}: the seconds between load calls must be "
+                       "more than 0")
     if args.data_parallel_size > 1 and args.dist_init_addr:
         refused.append("--dist-init-addr with --data-parallel-size > 1: each group forms its tensor-parallel group "
                        "on a port of its own")

@@ -26,7 +26,6 @@ NOT_SUPPORTED_YET = frozenset({
     "--mm-process-config",
     # Logging
     # Data parallelism
-    "--load-watch-interval",
     "--prefill-round-robin-balance",
     # Multi-node distributed serving
     # Model override args

@@ -288,9 +288,13 @@ class SchedulerLoop:
         return True
 
     def control_load(self) -> dict[str, Any]:
+        """SGLang's load: the KV tokens requests hold (the prefix cache's evictable pages are
+        free to take, so not load) and the prompt tokens still queued."""
         scheduler = self.scheduler
-        return {"num_reqs": len(scheduler.running) + len(scheduler.queued), "num_waiting_reqs": len(scheduler.queued),
-                "num_tokens": scheduler.kv_tokens_in_use()}
+        queued = scheduler.queued
+        evictable = scheduler.tree.evictable_tokens if scheduler.tree is not None else 0
+        return {"num_reqs": len(scheduler.running) + len(queued), "num_waiting_reqs": len(queued),
+                "num_tokens": scheduler.kv_tokens_in_use() - evictable + sum(len(req.prompt_ids) for req in queued)}
 
     def control_update_weights_from_disk(self, model_path: str | None = None, load_format: str | None = None,
                                          abort_all_requests: bool = False) -> WhenIdle:

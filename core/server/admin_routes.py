@@ -23,7 +23,8 @@ class AdminRoutes:
 
     async def get_load(self, request: Request) -> Response:
         load = await self.context.frontend.control("load")
-        return JSONResponse([{"dp_rank": 0, **load}])
+        groups = load.pop("data_parallel_groups", [load])
+        return JSONResponse([{"dp_rank": rank, **group} for rank, group in enumerate(groups)])
 
     async def pause_generation(self, request: Request) -> Response:
         body = await read_optional_body(request, PauseGenerationRequest, self.context)

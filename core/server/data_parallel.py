@@ -5,8 +5,11 @@ control calls go to every group, and their replies are merged into one.
 
     round_robin     groups in turn
     shortest_queue  the group with the fewest requests in flight
-    minimum_tokens  the group with the fewest tokens in flight (prompts and the tokens still
-                    to generate), which evens out long and short requests
+    minimum_tokens  the group with the least token load: what the group last reported (the KV
+                    tokens its requests hold and the prompt tokens it has queued, asked every
+                    `--load-watch-interval` seconds) and the prompts sent to it since it answered;
+                    this evens out long and short requests, and counts what prefix-cache hits
+                    and finished requests gave back
 """
 
 from __future__ import annotations
@@ -25,10 +28,23 @@ LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "minimum_tokens")
 NOT_SUMMED = {"pid", "spec_accept_length"}
 
 
+# Load calls the router makes itself have ids below zero: the front end's count up from zero.
+WATCH_CALL_IDS = itertools.count(-1, -1)
+
+
 @dataclass
-class InFlight:
-    group: int
-    tokens: int
+class LoadWatch:
+    """One group's load as it last reported it, and the prompt tokens sent to it since."""
+
+    reported: int = 0
+    sent_since: int = 0
+    # The load call in flight, and what had been sent when it was made (its answer counts those).
+    call_id: int | None = None
+    sent_before_call: int = 0
+
+    @property
+    def tokens(self) -> int:
+        return self.reported + self.sent_since
 
 
 class DataParallelRouter:
@@ -41,10 +57,9 @@ class DataParallelRouter:
         self.sends, self.method = sends, method
         self.groups = len(sends)
         self._turn = itertools.cycle(range(self.groups))
-        self._requests: dict[str, InFlight] = {}
-        # What each group has in flight: requests, and their prompt plus remaining tokens.
+        self._requests: dict[str, int] = {}   # the group of each request in flight
         self._in_flight = [0] * self.groups
-        self._tokens = [0] * self.groups
+        self._loads = [LoadWatch() for _ in range(self.groups)]
         self._sessions: dict[str, int] = {}
         self._calls: dict[int, list[ControlResult | None]] = {}
         # Requests each group has been given since launch (what the tests and logs read).
@@ -59,15 +74,14 @@ class DataParallelRouter:
                 group = self._choose()
                 if message.session_id:
                     self._sessions[message.session_id] = group
-            tokens = len(message.input_ids) + (message.params.max_new_tokens or 0)
-            self._requests[message.rid] = InFlight(group, tokens)
+            self._requests[message.rid] = group
             self._in_flight[group] += 1
-            self._tokens[group] += tokens
+            self._loads[group].sent_since += len(message.input_ids)
             self.assigned[group] += 1
             self.sends[group](message)
         elif isinstance(message, AbortRequest):
             owner = self._requests.get(message.rid)
-            for group in [owner.group] if owner is not None else range(self.groups):
+            for group in [owner] if owner is not None else range(self.groups):
                 self.sends[group](message)
         elif isinstance(message, ControlRequest):
             self._calls[message.call_id] = [None] * self.groups
@@ -82,13 +96,34 @@ class DataParallelRouter:
     def _choose(self) -> int:
         if self.method == "round_robin":
             return next(self._turn)
-        load = self._in_flight if self.method == "shortest_queue" else self._tokens
+        load = self._in_flight if self.method == "shortest_queue" else [watch.tokens for watch in self._loads]
         return min(range(self.groups), key=lambda g: (load[g], g))
+
+    @property
+    def watches_load(self) -> bool:
+        return self.method == "minimum_tokens"
+
+    def watch_load(self) -> None:
+        """Ask each group for its load (minimum_tokens balances by the answers); a group still
+        busy with the last call is not asked again."""
+        for group, watch in enumerate(self._loads):
+            if watch.call_id is None:
+                watch.call_id, watch.sent_before_call = next(WATCH_CALL_IDS), watch.sent_since
+                self.sends[group](ControlRequest(watch.call_id, "load"))
 
     # ---- what the groups answer ---------------------------------------------------------------
 
     def receive(self, group: int, out: RequestOutput | ControlResult) -> RequestOutput | ControlResult | None:
         if isinstance(out, ControlResult):
+            watch = self._loads[group]
+            if out.call_id == watch.call_id:
+                # A group handles its messages in order: its answer counts every request sent
+                # to it before the call (queued or running).
+                if out.error is None:
+                    watch.reported = out.value["num_tokens"]
+                    watch.sent_since -= watch.sent_before_call
+                watch.call_id = None
+                return None
             replies = self._calls.get(out.call_id)
             if replies is None:
                 return out
@@ -98,10 +133,9 @@ class DataParallelRouter:
             del self._calls[out.call_id]
             return merge_replies(replies)
         if out.finished:
-            request = self._requests.pop(out.rid, None)
-            if request is not None:
-                self._in_flight[request.group] -= 1
-                self._tokens[request.group] -= request.tokens
+            owner = self._requests.pop(out.rid, None)
+            if owner is not None:
+                self._in_flight[owner] -= 1
         return out
 
 

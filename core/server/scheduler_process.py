@@ -84,6 +84,8 @@ class SchedulerProcess:
         self.frontend = Frontend(send, tokenizer, self.args, message.limits, message.model_dir, grammars)
         self._tasks = [asyncio.create_task(self._receive(group)) for group in range(len(self.processes))]
         self._tasks.append(asyncio.create_task(self._watch()))
+        if self.router is not None and self.router.watches_load:
+            self._tasks.append(asyncio.create_task(self._watch_load()))
         return self.frontend
 
     async def _load_tokenizer(self, importing: asyncio.Future, model_dir: str) -> Any:
@@ -118,6 +120,11 @@ class SchedulerProcess:
         logger.error(reason)
         self.frontend.fail_all(reason)
         self.on_death(reason)
+
+    async def _watch_load(self) -> None:
+        while True:
+            self.router.watch_load()
+            await asyncio.sleep(self.args.load_watch_interval)
 
     @property
     def alive(self) -> bool:
