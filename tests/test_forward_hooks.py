@@ -97,9 +97,12 @@ def test_tensor_dumps_of_two_implementations_compare_layer_by_layer(tiny_models,
     assert {"embed_tokens", "layers.0.0", "layers.0.1", "lm_head"} <= set(first)
     assert {"hf.model.embed_tokens", "hf.model.layers.0", "hf.lm_head"} <= set(reference)
     assert torch.equal(first["embed_tokens"], reference["hf.model.embed_tokens"][0])
-    layer = first["layers.0.0"] + first["layers.0.1"]   # srv's output and the residual it carries
-    assert torch.allclose(layer, reference["hf.model.layers.0"][0], atol=1e-5)
-    assert torch.allclose(first["lm_head"], reference["hf.lm_head"][0], atol=1e-4)
+    layer, want = first["layers.0.0"] + first["layers.0.1"], reference["hf.model.layers.0"][0]   # srv's output
+    # and the residual it carries. The two sum in different orders (and the kernels by the CPU's
+    # vector width): a few float32 ulps of the largest values, wherever the element is small.
+    assert torch.allclose(layer, want, atol=1e-5 * float(want.abs().max()))
+    logits = reference["hf.lm_head"][0]
+    assert torch.allclose(first["lm_head"], logits, atol=1e-5 * float(logits.abs().max()) + 1e-4)
 
 
 def test_a_dump_input_file_runs_its_ids_through_the_model_and_ends_the_server(tiny_models, tmp_path):

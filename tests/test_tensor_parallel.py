@@ -219,8 +219,12 @@ def test_two_nodes_on_loopback_serve_as_one_and_a_dead_node_ends_the_other():
         assert not rank_processes(descendants(node0.process.pid))   # its one rank is the scheduler
         other.kill()
         started = time.monotonic()
-        completion(node0)   # the collective fails: the scheduler ends, and the server with it
+        # The other node's rank sees its launcher gone and exits (within a second): a request
+        # that reaches it first still computes; the next collective fails, a pass's or, idle,
+        # the heartbeat's, and the scheduler ends, and the server with it.
+        completion(node0)
         assert node0.process.wait(timeout=60) != 0
+        assert "a collective failed" in "".join(node0.output)
         assert time.monotonic() - started < 60
     finally:
         for process in (other, getattr(locals().get("node0"), "process", None)):

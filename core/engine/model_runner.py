@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -9,7 +10,7 @@ import re
 import time
 from argparse import Namespace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -36,6 +37,8 @@ DTYPES = {"half": torch.float16, "float16": torch.float16, "bfloat16": torch.bfl
           "float": torch.float32, "float32": torch.float32}
 # Without --max-total-tokens or --mem-fraction-static, the KV cache takes this share of available RAM.
 DEFAULT_CPU_MEM_FRACTION = 0.1
+# An idle rank 0 with ranks on other nodes sends them a command at least this often (seconds).
+HEARTBEAT_S = 1.0
 # A Hugging Face repository id ("org/name").
 REPO_ID = re.compile(r"[\w.-]+/[\w.-]+")
 
@@ -374,22 +377,40 @@ class ModelRunner:
         return False
 
     def _broadcast(self, name: str, **payload: Any) -> None:
-        """Rank 0 of a tensor-parallel group: have every rank run the same command."""
+        """Rank 0 of a tensor-parallel group: have every rank run the same command (a rank gone
+        ends this process, as in a pass)."""
         if self.tensor_parallel is not None and self.tensor_parallel.rank == 0:
-            self.tensor_parallel.send(name, **payload)
+            with self._exit_on_collective_failure():
+                self.tensor_parallel.send(name, **payload)
 
     def _forward_in_group(self, batch: ForwardBatch, payload: dict[str, Any]) -> ModelOutput:
         """Every rank runs the pass; a collective that fails (a rank gone) ends this process:
         the group cannot compute without it."""
-        try:
+        with self._exit_on_collective_failure():
             self._broadcast("forward", **payload)
             out = self._through_stages(batch) if self.parallel.is_pipelined else self.model(batch)
+        return self._checked_output(out, batch) if self.parallel.samples and not batch.is_idle else out
+
+    @contextlib.contextmanager
+    def _exit_on_collective_failure(self) -> Iterator[None]:
+        try:
+            yield
         except RuntimeError as exc:
             if is_collective_failure(exc):
                 logger.error("rank %d: a collective failed (%s); exiting", self.parallel.rank, exc)
                 os._exit(1)
             raise
-        return self._checked_output(out, batch) if self.parallel.samples and not batch.is_idle else out
+
+    def keep_alive(self) -> None:
+        """Rank 0, after a scheduler step that ran no pass: where ranks run on other nodes, a
+        command to them every HEARTBEAT_S seconds, so that a node gone ends this one while idle
+        too (it fails as a pass's collective would)."""
+        group = self.tensor_parallel
+        if getattr(group, "has_remote_ranks", False) and time.perf_counter() - group.last_sent >= HEARTBEAT_S:
+            self._broadcast("heartbeat")
+
+    def heartbeat(self) -> None:
+        """The command of keep_alive: nothing to do."""
 
     def idle_round(self) -> None:
         """Data-parallel attention, after a scheduler step that ran no pass here: a round of

@@ -140,13 +140,17 @@ class SchedulerLoop:
     def step(self) -> list[RequestOutput | ControlResult]:
         """One scheduler step, or --num-continuous-decode-steps decode steps in a row while the
         running requests decode and none waits; each request's new tokens in one output. Under
-        data-parallel attention a step that ran no pass ends with an idle round; under
+        data-parallel attention a step that ran no pass ends with an idle round (else, where ranks run
+        on other nodes, with a heartbeat now and then); under
         --kv-events-config the prefix cache's changes in the step are published."""
         runner = self.scheduler.runner
         passes = runner.passes
         outputs = self._step()
-        if self.lockstep is not None and runner.passes == passes:
-            runner.idle_round()
+        if runner.passes == passes:
+            if self.lockstep is not None:
+                runner.idle_round()
+            else:
+                runner.keep_alive()
         if self.kv_events is not None:
             events = self.scheduler.tree.take_events()
             if events:

@@ -77,12 +77,16 @@ class ParallelGroup:
                     SharedMemoryCollectives.unlink(segment)
         self.children: list[subprocess.Popen] = []
         self.closing = False
+        self.last_sent = time.perf_counter()   # when rank 0 last sent a command
+        # Ranks on other nodes are no children of this one: an idle rank 0 finds one gone only
+        # by a collective (ModelRunner.keep_alive).
+        self.has_remote_ranks = args.nnodes > 1
 
     def send(self, name: str, **payload: Any) -> None:
         """Rank 0: have every other rank run `name(**payload)` on its ModelRunner."""
         import torch.distributed as dist
 
-        started = time.perf_counter()
+        started = self.last_sent = time.perf_counter()
         if self.channel is not None:
             self.channel.send((name, payload))
         else:
