@@ -224,7 +224,10 @@ def test_two_nodes_on_loopback_serve_as_one_and_a_dead_node_ends_the_other():
         # the heartbeat's, and the scheduler ends, and the server with it.
         completion(node0)
         assert node0.process.wait(timeout=60) != 0
-        assert "a collective failed" in "".join(node0.output)
+        deadline = time.monotonic() + 10   # the reader thread takes the last lines after the exit
+        while "a collective failed" not in "".join(node0.output):
+            assert time.monotonic() < deadline, "".join(node0.output)[-2000:]
+            time.sleep(0.05)
         assert time.monotonic() - started < 60
     finally:
         for process in (other, getattr(locals().get("node0"), "process", None)):

@@ -405,8 +405,8 @@ class ModelRunner:
         """Rank 0, after a scheduler step that ran no pass: where ranks run on other nodes, a
         command to them every HEARTBEAT_S seconds, so that a node gone ends this one while idle
         too (it fails as a pass's collective would)."""
-        group = self.tensor_parallel
-        if getattr(group, "has_remote_ranks", False) and time.perf_counter() - group.last_sent >= HEARTBEAT_S:
+        group = self.tensor_parallel   # a ParallelGroup here: data-parallel attention takes idle rounds
+        if group is not None and group.has_remote_ranks and time.perf_counter() - group.last_sent >= HEARTBEAT_S:
             self._broadcast("heartbeat")
 
     def heartbeat(self) -> None:

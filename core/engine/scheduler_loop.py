@@ -139,10 +139,10 @@ class SchedulerLoop:
 
     def step(self) -> list[RequestOutput | ControlResult]:
         """One scheduler step, or --num-continuous-decode-steps decode steps in a row while the
-        running requests decode and none waits; each request's new tokens in one output. Under
-        data-parallel attention a step that ran no pass ends with an idle round (else, where ranks run
-        on other nodes, with a heartbeat now and then); under
-        --kv-events-config the prefix cache's changes in the step are published."""
+        running requests decode and none waits; each request's new tokens in one output. A step
+        that ran no pass ends with an idle round under data-parallel attention, else with a
+        heartbeat to ranks on other nodes when one is due; under --kv-events-config the prefix
+        cache's changes in the step are published."""
         runner = self.scheduler.runner
         passes = runner.passes
         outputs = self._step()
