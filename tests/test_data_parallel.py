@@ -210,9 +210,10 @@ def test_minimum_tokens_server_balances_by_the_load_the_groups_report(tiny_model
         assert server.stop() == 0
 
 
-@pytest.mark.parametrize("kind, flags", [("llama", ()), ("qwen3", ("--enable-dp-lm-head",)), ("qwen3_moe", ()),
-                                         ("qwen2_moe", ("--moe-dense-tp-size", "1"))],
-                         ids=["llama-vocab-split-head", "qwen3-tied-dp-lm-head", "qwen3-moe", "qwen2-moe-dense-whole"])
+@pytest.mark.parametrize("kind, flags", [("llama", ()), ("qwen3", ()), ("qwen3", ("--enable-dp-lm-head",)),
+                                         ("qwen3_moe", ()), ("qwen2_moe", ("--moe-dense-tp-size", "1"))],
+                         ids=["llama-vocab-split-head", "qwen3-tied-split-head", "qwen3-tied-dp-lm-head", "qwen3-moe",
+                              "qwen2-moe-dense-whole"])
 def test_dp_attention_ranks_step_together_and_give_hf_greedy_tokens(tiny_models, tiny_moe_models, kind, flags):
     """--enable-dp-attention: two groups, each one scheduler process with its own KV cache and
     attention whole, the feed-forward blocks split across both and run on both ranks' rows. A

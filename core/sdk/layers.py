@@ -73,10 +73,14 @@ def load_shard(name: str, module: nn.Module, param: torch.Tensor, rows: torch.Te
                shard: int = 0) -> None:
     """Fill `rows` of `param` (a parameter of `module`, or its rows for checkpoint shard `shard`)
     from this rank's part of the checkpoint's `tensor`."""
+    load_weight(name, param, rows, rank_part(module, tensor, shard))
+
+
+def rank_part(module: nn.Module, tensor: torch.Tensor, shard: int = 0) -> torch.Tensor:
+    """This rank's part of the checkpoint's `tensor` (of checkpoint shard `shard`) for `module`:
+    all of it where the module does not split."""
     sharding = getattr(module, "sharding", None)
-    if sharding is not None:
-        tensor = sharding.cut(tensor, shard)
-    load_weight(name, param, rows, tensor)
+    return tensor if sharding is None else sharding.cut(tensor, shard)
 
 
 def _split(layer: nn.Module, sharding: Sharding) -> None:

@@ -19,7 +19,7 @@ from torch.nn import functional as F
 
 from srv.sdk.attention import ForwardBatch
 from srv.sdk.layers import (MergedColumnParallelLinear, Sharding, ParallelLMHead, QKVParallelLinear, RowParallelLinear,
-                            VocabParallelEmbedding, load_shard)
+                            VocabParallelEmbedding, load_shard, rank_part)
 from srv.sdk.linear import checkpoint_key, load_weight, shard_rows
 from srv.sdk.models import ModelOutput
 from srv.sdk.parallel import ParallelContext
@@ -461,9 +461,7 @@ class LlamaForCausalLM(nn.Module):
             # This rank's rows or columns of the tensor (all of it at tp=1).
             # (A tied head on a stage without the embeddings takes them in the head's rows.)
             module = self.get_submodule(module_path) if name in params else self.lm_head
-            sharding = getattr(module, "sharding", None)
-            if sharding is not None:
-                tensor = sharding.cut(tensor)
+            whole, tensor = tensor, rank_part(module, tensor)
             if name in params and hasattr(params[name], "weight_loader"):
                 load_weight(name, params[name], params[name].data, tensor)
                 loaded.add(name)
@@ -472,7 +470,9 @@ class LlamaForCausalLM(nn.Module):
                     adopt(name, params[name], tensor)
                     loaded.add(name)
                 if name == "embed_tokens.weight" and self.tie_word_embeddings and self.lm_head is not None:
-                    adopt(name, params["lm_head.weight"], tensor)
+                    # The head's own rows: under data-parallel attention the embedding is whole
+                    # while the head may split the vocabulary.
+                    adopt(name, params["lm_head.weight"], rank_part(self.lm_head, whole))
                     loaded.add("lm_head.weight")
         missing = set(params) - loaded
         if missing:
