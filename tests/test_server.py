@@ -530,6 +530,19 @@ def test_http_process_reaches_the_scheduler_start_without_torch():
     assert out.strip() == "[]"
 
 
+def test_early_scheduler_entry_point_imports_only_the_standard_library():
+    """The spawned scheduler process unpickles its entry point before it imports torch: the
+    module that holds it must not delay that (zmq and srv's engine modules are imported after)."""
+    code = ("import sys\n"
+            "before = set(sys.modules)\n"
+            "import srv.server.early_scheduler\n"
+            "new = set(sys.modules) - before\n"
+            "print(sorted(m for m in new if m.split('.')[0] not in sys.stdlib_module_names and m != 'srv' "
+            "and m not in ('__mp_main__', 'srv.server', 'srv.server.early_scheduler')))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
 def test_score_route_gives_label_probabilities_after_query_and_item(server, default_model_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

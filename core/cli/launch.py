@@ -8,11 +8,12 @@ HELP = {"-h", "--help"}
 
 
 def main(argv: list[str]) -> int:
-    from srv.server.scheduler_main import EarlyScheduler, spawn_scheduler_processes
+    from srv.server.early_scheduler import EarlyScheduler
 
     # The scheduler process starts first, importing torch while this one parses the flags.
     early = None if HELP.intersection(argv) else EarlyScheduler()
     try:
+        from srv.server.scheduler_main import spawn_scheduler_processes
         from srv.args.parser import parse_launch_args
         from srv.backend_registry import RegistryConflict
         from srv.plugin_manager import load_plugins

@@ -1,6 +1,6 @@
 """The scheduler process's side: build the scheduler, then serve the requests that arrive over
-ZMQ until told to stop. This module imports little, so that the spawned process reaches torch's
-import (about two seconds) at once; `srv.server.scheduler_process` is the server's side."""
+ZMQ until told to stop. `srv.server.scheduler_process` is the server's side; the first scheduler
+process starts from `srv.server.early_scheduler`, and imports this module after torch."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from srv.engine.numa import bind_to_numa_node
 
 if TYPE_CHECKING:   # pydantic, which it imports, would delay the import of torch
     from srv.engine.limits import RequestLimits
+    from srv.server.early_scheduler import EarlyScheduler
 
 logger = logging.getLogger("srv.scheduler_process")
 
@@ -193,44 +194,6 @@ class SpawnedScheduler:
     binds (ZMQ connects whichever side comes first)."""
     process: BaseProcess
     sockets: SchedulerSockets
-
-
-class EarlyScheduler:
-    """A scheduler process started before the launch's flags are parsed: it imports torch, the
-    longest part of its start, while the server process loads the plugins and parses the flags,
-    then waits for its arguments (`spawn_scheduler_processes` sends them)."""
-
-    def __init__(self) -> None:
-        context = multiprocessing.get_context("spawn")
-        self._connection, child_end = context.Pipe()
-        self.process = context.Process(target=_run_early, args=(child_end,), name="srv-scheduler", daemon=True)
-        self.process.start()
-        child_end.close()
-
-    def start(self, args: Namespace, sockets: SchedulerSockets) -> BaseProcess:
-        self._connection.send((args, sockets))
-        self._connection.close()
-        return self.process
-
-    def cancel(self) -> None:
-        """No scheduler after all (a flag's error, another node's launch): it ends at once."""
-        self._connection.close()
-        if self.process.is_alive():
-            self.process.kill()   # it ignores SIGTERM, as a scheduler process does
-        self.process.join()
-
-
-def _run_early(connection: Any) -> None:
-    for signum in (signal.SIGINT, signal.SIGTERM):   # as run_scheduler_process, from the start
-        signal.signal(signum, signal.SIG_IGN)
-    import torch  # noqa: F401 (the reason this process starts before the flags are parsed)
-
-    try:
-        args, sockets = connection.recv()
-    except EOFError:   # cancelled, or the server process is gone
-        return
-    connection.close()
-    run_scheduler_process(args, sockets)
 
 
 def spawn_scheduler_processes(args: Namespace, early: EarlyScheduler | None = None) -> list[SpawnedScheduler]:
