@@ -361,3 +361,42 @@ def test_tiny_architectures_match_transformers(tmp_path, arch, head_dim, options
     ours, ref = transformers.AutoTokenizer.from_pretrained(converted), reference_tokenizer(source)
     for text in ("the thin <|im_end|> café", "in the end"):
         assert ours.encode(text) == ref.encode(text)
+
+
+def test_a_bf16_model_loads_a_bf16_copy_of_the_converted_weights_written_once(tmp_path):
+    """The copy holds what converting the float32 tensors gives, and the next load reads it."""
+    from safetensors.torch import save_file
+    from torch import nn
+
+    from srv.plugins.models.loaders import GGUFLoader
+
+    weights = {"a.weight": torch.randn(64, 32) * 3, "b.weight": torch.randn(7) / 3,
+               "c.count": torch.arange(5)}
+    save_file(weights, str(tmp_path / "model.safetensors"))
+
+    class Recorder(nn.Module):
+        def __init__(self, dtype: torch.dtype) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.empty(1, dtype=dtype))
+            self.seen: dict[str, torch.Tensor] = {}
+
+        def load_weights(self, tensors) -> None:
+            self.seen = {name: tensor.clone() for name, tensor in tensors}
+
+    model = Recorder(torch.bfloat16)
+    GGUFLoader().load(model, tmp_path)
+    copy = tmp_path / "bfloat16" / "model.safetensors"
+    assert copy.exists()
+    assert set(model.seen) == set(weights)
+    for name, tensor in weights.items():
+        expected = tensor.to(torch.bfloat16) if tensor.is_floating_point() else tensor
+        assert model.seen[name].dtype == expected.dtype and torch.equal(model.seen[name], expected), name
+    written = copy.stat().st_mtime_ns
+    again = Recorder(torch.bfloat16)
+    GGUFLoader().load(again, tmp_path)
+    assert copy.stat().st_mtime_ns == written
+    assert all(torch.equal(again.seen[name], model.seen[name]) for name in weights)
+    # A float32 model reads the float32 weights themselves.
+    float_model = Recorder(torch.float32)
+    GGUFLoader().load(float_model, tmp_path)
+    assert all(torch.equal(float_model.seen[name], weights[name]) for name in weights)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Iterator
 
@@ -10,6 +11,9 @@ from torch import nn
 from tqdm import tqdm
 
 from srv.sdk.models import ModelLoader
+from srv.sdk.paths import write_atomically
+
+logger = logging.getLogger("srv.loader")
 
 
 class SafetensorsLoader(ModelLoader):
@@ -78,7 +82,13 @@ class PtLoader(ModelLoader):
 
 
 class GGUFLoader(SafetensorsLoader):
-    """Dequantizes a GGUF file once into a cached Hugging Face directory, then loads that."""
+    """Dequantizes a GGUF file once into a cached Hugging Face directory, then loads that.
+
+    The directory's weights are float32. A model served in another dtype (bf16) loads a copy in
+    that dtype, made once beside them (`<dtype>/model.safetensors`): its tensors become the
+    parameters as they lie in the file's map, where converting float32 tensors into fresh memory
+    cost every warm launch a pass over the weights and their page faults. The copy holds what the
+    conversion would give (the same rounding), so the model is the same either way."""
 
     def accepts(self, path: Path) -> bool:
         return path.is_file() and path.suffix == ".gguf"
@@ -87,6 +97,34 @@ class GGUFLoader(SafetensorsLoader):
         from srv.plugins.models.gguf_convert import convert_gguf
 
         return convert_gguf(path)
+
+    def load(self, model: nn.Module, model_dir: Path) -> None:
+        dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+        if len(dtypes) == 1 and torch.float32 not in dtypes:
+            typed = served_dtype_copy(model_dir, dtypes.pop())
+            if typed is not None:
+                model_dir = typed
+        super().load(model, model_dir)
+
+
+def served_dtype_copy(model_dir: Path, dtype: torch.dtype) -> Path | None:
+    """The directory of `model_dir`'s weights in `dtype`, written on first use; None where it
+    cannot be written (a read-only cache: the float32 weights load and convert then)."""
+    from safetensors.torch import save_file
+
+    typed = model_dir / str(dtype).removeprefix("torch.")
+    target = typed / "model.safetensors"
+    if target.exists():
+        return typed
+    tensors = {name: tensor.to(dtype) if tensor.is_floating_point() else tensor
+               for name, tensor in SafetensorsLoader._tensors(model_dir)}
+    try:
+        write_atomically(target, lambda tmp: save_file(tensors, str(tmp)), mode=0o644)
+    except OSError as exc:
+        logger.warning("could not write the %s copy of %s: %s", dtype, model_dir, exc)
+        return None
+    logger.info("wrote the %s copy of the weights of %s", dtype, model_dir)
+    return typed
 
 
 class DummyLoader(ModelLoader):
