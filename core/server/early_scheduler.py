@@ -4,6 +4,7 @@ so whatever this module imports delays the import of torch, the longest part of 
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import signal
 from multiprocessing.process import BaseProcess
@@ -42,15 +43,16 @@ class EarlyScheduler:
 def _run_early(connection: Any) -> None:
     for signum in (signal.SIGINT, signal.SIGTERM):   # as run_scheduler_process, from the start
         signal.signal(signum, signal.SIG_IGN)
-    import sys, time as _t; print("T child-start", _t.time(), file=sys.stderr, flush=True)
     import torch  # noqa: F401 (the reason this process starts before the flags are parsed)
-    print("T torch", _t.time(), file=sys.stderr, flush=True)
+
+    # Torch's modules are objects that live as long as the process: out of the collector's
+    # reach, the full collections that the rest of the start triggers do not walk them again.
+    gc.freeze()
 
     from srv.server.scheduler_main import run_scheduler_process
 
     try:
         args, sockets = connection.recv()
-        print("T args", _t.time(), file=sys.stderr, flush=True)
     except EOFError:   # cancelled, or the server process is gone
         return
     connection.close()

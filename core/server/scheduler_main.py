@@ -5,6 +5,7 @@ process starts from `srv.server.early_scheduler`, and imports this module after 
 from __future__ import annotations
 
 import copy
+import gc
 import logging
 import multiprocessing
 import os
@@ -99,6 +100,9 @@ def run_scheduler_process(args: Namespace, sockets: SchedulerSockets) -> None:
         logger.exception("the scheduler could not start")
         outputs.send_pyobj(SchedulerFailed(f"{type(exc).__name__}: {exc}"))
         os._exit(1)
+    # The model and the modules live until the process ends: a full collection while serving
+    # need not walk them (each such pass stalls every request).
+    gc.freeze()
     config = runner.config
     outputs.send_pyobj(SchedulerReady(str(runner.model_dir), scheduler.request_limits(), {
         "architectures": list(getattr(config, "architectures", None) or []),
