@@ -460,3 +460,32 @@ def test_a_gguf_header_is_read_once_while_the_file_stays_the_same(tmp_path):
     assert tensor_infos(path) is first
     write_tiny_gguf(path, "qwen2", 16, bias=True, down_type="Q8_0")
     assert tensor_infos(path)["blk.0.ffn_down.weight"].kind == "Q8_0"
+
+
+def test_gguf_header_is_read_once_and_kept_in_the_cache(tmp_path, monkeypatch):
+    """A later launch takes the tensors' types and offsets from srv's cache, without parsing the
+    header (or importing gguf) again; a changed file is parsed anew."""
+    import os
+    import shutil
+
+    from srv.engine.default_model import default_model_path
+    from srv.plugins.quantization import gguf as gguf_method
+
+    monkeypatch.setenv("SRV_CACHE_DIR", str(tmp_path / "cache"))
+    model = tmp_path / "model.gguf"
+    shutil.copy(default_model_path(), model)
+    gguf_method._cached_tensor_infos.cache_clear()
+    parsed = gguf_method.tensor_infos(model)
+    assert list((tmp_path / "cache" / "gguf-headers").iterdir())
+
+    def no_parsing(data):
+        raise AssertionError("the header was parsed again")
+
+    gguf_method._cached_tensor_infos.cache_clear()
+    monkeypatch.setattr(gguf_method, "_header_tensor_infos", no_parsing)
+    assert gguf_method.tensor_infos(model) == parsed
+    os.utime(model, ns=(1, 1))   # another file at the same path
+    gguf_method._cached_tensor_infos.cache_clear()
+    with pytest.raises(AssertionError, match="parsed again"):
+        gguf_method.tensor_infos(model)
+    gguf_method._cached_tensor_infos.cache_clear()

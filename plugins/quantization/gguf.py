@@ -61,6 +61,7 @@ ROWS_PER_SLICE = 1024
 TOLERANCE = 1e-6
 KERNEL_FLAGS = ("-mavx2", "-mfma")
 CACHE_VERSION = 2  # bump when what is cached changes: the layouts above, or how blocks are read
+HEADER_CACHE_VERSION = 1   # bump when TensorInfo or how the header is read changes
 
 
 @functools.cache
@@ -322,14 +323,29 @@ def tensor_infos(path: Path) -> dict[str, TensorInfo]:
 
 @functools.lru_cache(maxsize=8)
 def _cached_tensor_infos(path: Path, size: int, mtime_ns: int) -> dict[str, TensorInfo]:
+    """Parsing the header walks the tokenizer's strings one by one (tens of ms of each launch):
+    what it finds is also kept in srv's cache, under the file's path, size and modification time."""
     import mmap
     import struct
 
+    key = json.dumps([HEADER_CACHE_VERSION, str(path), size, mtime_ns])
+    memo = cache_root() / "gguf-headers" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+    try:
+        return {name: TensorInfo(kind, tuple(dims), start)
+                for name, (kind, dims, start) in json.loads(memo.read_text()).items()}
+    except (OSError, ValueError, TypeError):
+        pass
     try:
         with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
-            return _header_tensor_infos(data)
+            infos = _header_tensor_infos(data)
     except (struct.error, UnicodeDecodeError, KeyError, ValueError) as exc:
         raise ValueError(f"{path}: not a readable GGUF header ({exc})") from None
+    text = json.dumps({name: [info.kind, list(info.dims), info.start] for name, info in infos.items()})
+    try:
+        write_atomically(memo, lambda tmp: tmp.write_text(text), mode=0o644)
+    except OSError:   # a read-only cache: the next launch parses the header again
+        pass
+    return infos
 
 
 def _header_tensor_infos(data: bytes) -> dict[str, TensorInfo]:
