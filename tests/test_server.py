@@ -526,8 +526,7 @@ def test_http_process_reaches_the_scheduler_start_without_torch():
             "parse_launch_args([], manager, registry)\n"
             "import srv.server.launch\n"
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "[]"
+    assert printed_by(code) == "[]"
 
 
 def test_early_scheduler_entry_point_imports_only_the_standard_library():
@@ -539,8 +538,12 @@ def test_early_scheduler_entry_point_imports_only_the_standard_library():
             "new = set(sys.modules) - before\n"
             "print(sorted(m for m in new if m.split('.')[0] not in sys.stdlib_module_names and m != 'srv' "
             "and m not in ('__mp_main__', 'srv.server', 'srv.server.early_scheduler')))\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "[]"
+    assert printed_by(code) == "[]"
+
+
+def printed_by(code: str) -> str:
+    """What a fresh Python process running `code` prints."""
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
 
 
 def test_score_route_gives_label_probabilities_after_query_and_item(server, default_model_dir):
