@@ -16,6 +16,7 @@ parent is gone exits.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import pickle
@@ -164,6 +165,7 @@ def run_rank(args: Namespace, rank: int, address: str) -> None:
     from srv.engine.model_runner import ModelRunner
     from srv.plugin_manager import load_plugins
 
+    gc.freeze()   # torch's modules: as the scheduler process does (srv.server.early_scheduler)
     index = rank - local_ranks(args)[0]
     if args.numa_node:
         from srv.engine.numa import bind_to_numa_node
@@ -182,6 +184,8 @@ def run_rank(args: Namespace, rank: int, address: str) -> None:
     threading.Thread(target=exit_with_parent, name="srv-parent-watch", daemon=True).start()
     group = ParallelGroup(args, rank, address)
     runner = ModelRunner(args, load_plugins()[1], tensor_parallel=group)
+    # A full collection on any rank stalls the whole group's step: none walks the model.
+    gc.freeze()
     logger.info("tensor-parallel rank %d: ready", rank)
     while True:
         try:
