@@ -489,3 +489,18 @@ def test_gguf_header_is_read_once_and_kept_in_the_cache(tmp_path, monkeypatch):
     with pytest.raises(AssertionError, match="parsed again"):
         gguf_method.tensor_infos(model)
     gguf_method._cached_tensor_infos.cache_clear()
+
+
+def test_gguf_header_memo_that_is_not_a_table_is_parsed_anew(tmp_path, monkeypatch):
+    from srv.engine.default_model import default_model_path
+    from srv.plugins.quantization import gguf as gguf_method
+
+    monkeypatch.setenv("SRV_CACHE_DIR", str(tmp_path))
+    gguf_method._cached_tensor_infos.cache_clear()
+    parsed = gguf_method.tensor_infos(default_model_path())
+    (memo,) = (tmp_path / "gguf-headers").iterdir()
+    for text in ("[1, 2]", "{\"a\": 3}", "not json"):
+        memo.write_text(text)
+        gguf_method._cached_tensor_infos.cache_clear()
+        assert gguf_method.tensor_infos(default_model_path()) == parsed
+    gguf_method._cached_tensor_infos.cache_clear()

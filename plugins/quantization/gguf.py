@@ -333,7 +333,7 @@ def _cached_tensor_infos(path: Path, size: int, mtime_ns: int) -> dict[str, Tens
     try:
         return {name: TensorInfo(kind, tuple(dims), start)
                 for name, (kind, dims, start) in json.loads(memo.read_text()).items()}
-    except (OSError, ValueError, TypeError):
+    except (OSError, ValueError, TypeError, AttributeError):   # none yet, or not what this code writes
         pass
     try:
         with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
