@@ -68,6 +68,19 @@ def test_q8_0_blocks_compute_the_file_weights(rows, columns, gguf_isa):
     assert_products_match(quantized, w)
 
 
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+def test_a_verify_pass_rows_are_one_row_products_to_the_bit(kind, gguf_isa):
+    """A speculative verify pass (a token and its drafts, up to 8 rows on AVX-512, 4 on AVX2)
+    runs the few-row bodies, whose every row sums as a one-row decode step does: verifying a
+    draft cannot change the token the step without drafts would have chosen."""
+    quantized = quantized_weight(weight(kind, 96, 576))
+    x = torch.randn(8, 576, generator=torch.Generator().manual_seed(2))
+    for rows in range(2, (8 if gguf_isa == "avx512" else 4) + 1):
+        together = quantized.matmul(x[:rows])
+        for r in range(rows):
+            assert torch.equal(together[r], quantized.matmul(x[r:r + 1])[0]), f"{kind}: row {r} of {rows}"
+
+
 def test_weights_recovered_in_slices_compute_the_whole_weight(monkeypatch):
     monkeypatch.setattr("srv.plugins.quantization.gguf.ROWS_PER_SLICE", 40)
     for kind in ("Q4_1", "Q8_0"):

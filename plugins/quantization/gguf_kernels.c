@@ -23,10 +23,15 @@
 
 #define GROUP 32
 /* Up to FEW_ROWS activation rows, each weight block is scaled in registers for every row
- * (q4_1_row, q8_0_row); more rows take matmul_many_rows. Measured on AVX2 (SmolLM2's shapes,
+ * (q4_1_row, q8_0_row), and up to FEW_ROWS_512 in the AVX-512 bodies (32 registers hold eight
+ * rows' accumulators); more rows take matmul_many_rows. Measured on AVX2 (SmolLM2's shapes,
  * the whole model's products): the two tie at 3 and 4 rows (11-12 ms), and at 8 rows
- * many_rows is faster. */
+ * many_rows is faster (splitting 8 rows into two chunks of 4 is slower still). On AVX-512, a
+ * speculative verify pass (a request's last token and up to seven drafts) runs in the few-row
+ * bodies, faster there than matmul_many_rows, and each row's sums are those of a one-row
+ * decode step, to the bit, so verifying cannot change a greedy token. */
 #define FEW_ROWS 4
+#define FEW_ROWS_512 8
 
 /* A few-row product reads each weight row once, a few hundred bytes in two or three arrays: too
  * short a stream for the hardware prefetchers to run ahead of, so each thread asks for the row
@@ -195,6 +200,19 @@ INLINE void q8_16_row(const float *x, int64_t k, const int8_t *values, const flo
     default: { const int ROWS_NOW = 4; statement; } break;                                               \
     }
 
+/* FOR_ROWS for 1..8 rows (the AVX-512 bodies). */
+#define FOR_ROWS_8(rows, statement)                                                                       \
+    switch (rows) {                                                                                       \
+    case 1: { const int ROWS_NOW = 1; statement; } break;                                                \
+    case 2: { const int ROWS_NOW = 2; statement; } break;                                                \
+    case 3: { const int ROWS_NOW = 3; statement; } break;                                                \
+    case 4: { const int ROWS_NOW = 4; statement; } break;                                                \
+    case 5: { const int ROWS_NOW = 5; statement; } break;                                                \
+    case 6: { const int ROWS_NOW = 6; statement; } break;                                                \
+    case 7: { const int ROWS_NOW = 7; statement; } break;                                                \
+    default: { const int ROWS_NOW = 8; statement; } break;                                               \
+    }
+
 /* The same two products in AVX-512, sixteen weights a vector, on the layouts above unchanged.
  * Fewer instructions a weight than the AVX2 rows, where those rows are bound by arithmetic, not
  * by the weights' bytes. Picked at run time where the CPU has AVX-512 (srv_gguf_set_isa forces
@@ -244,7 +262,7 @@ AVX512 static inline void q8_0_block_512(const int8_t *block, float scale, __m51
 AVX512 INLINE void q4_1_row_512(const float *x, int64_t k, const uint8_t *nibbles, const float *scale,
                                 const float *min, float *y, int64_t n, const int rows) {
     const int64_t blocks = k / GROUP;
-    __m512 even[FEW_ROWS], odd[FEW_ROWS];
+    __m512 even[FEW_ROWS_512], odd[FEW_ROWS_512];
     for (int r = 0; r < rows; r++) even[r] = odd[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b += 2) {
         __m512 w[4];
@@ -265,7 +283,7 @@ AVX512 INLINE void q4_1_row_512(const float *x, int64_t k, const uint8_t *nibble
 AVX512 INLINE void q8_0_row_512(const float *x, int64_t k, const int8_t *values, const float *scale, float *y,
                                 int64_t n, const int rows) {
     const int64_t blocks = k / GROUP;
-    __m512 even[FEW_ROWS], odd[FEW_ROWS];
+    __m512 even[FEW_ROWS_512], odd[FEW_ROWS_512];
     for (int r = 0; r < rows; r++) even[r] = odd[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
         __m512 w[2];
@@ -305,8 +323,8 @@ AVX512 static void q4_1_rows_512(const float *x, int64_t m, int64_t k, const uin
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < n; i++) {
         prefetch_row(i, n, nibbles, row_bytes, scale, min, blocks);
-        FOR_ROWS(m, q4_1_row_512(x, k, nibbles + i * row_bytes, scale + i * blocks, min + i * blocks, y + i, n,
-                                 ROWS_NOW))
+        FOR_ROWS_8(m, q4_1_row_512(x, k, nibbles + i * row_bytes, scale + i * blocks, min + i * blocks, y + i, n,
+                                   ROWS_NOW))
     }
 }
 
@@ -318,7 +336,7 @@ AVX512 static void q8_0_rows_512(const float *x, int64_t m, int64_t k, const int
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < n; i++) {
         prefetch_row(i, n, values, k, scale, NULL, blocks);
-        FOR_ROWS(m, q8_0_row_512(ordered, k, values + i * k, scale + i * blocks, y + i, n, ROWS_NOW))
+        FOR_ROWS_8(m, q8_0_row_512(ordered, k, values + i * k, scale + i * blocks, y + i, n, ROWS_NOW))
     }
     free(ordered);
 }
@@ -519,16 +537,22 @@ BF16 static void matmul_bf16(const QuantizedRows *w, const float *x, int64_t m, 
     free(xb);
 }
 
+/* Whether the few-row bodies take m rows: up to FEW_ROWS_512 where an AVX-512 body runs them,
+ * else FEW_ROWS. */
+static int few_rows(int64_t m, int has_avx512_body) {
+    if (use_avx512 < 0) srv_gguf_set_isa(-1);
+    return m <= (use_avx512 && has_avx512_body ? FEW_ROWS_512 : FEW_ROWS);
+}
+
 /* Output rows split across threads, each weight row read once for all activation rows. */
 static void q4_1_matmul(const float *x, int64_t m, int64_t k, const uint8_t *nibbles, const float *scale,
                         const float *min, int64_t n, float *y) {
     const int64_t blocks = k / GROUP;
-    if (m > FEW_ROWS) {
+    if (!few_rows(m, 1)) {
         const QuantizedRows w = {Q4_1, nibbles, scale, min};
         matmul_many_rows(&w, x, m, k, n, y);
         return;
     }
-    if (use_avx512 < 0) srv_gguf_set_isa(-1);
     if (use_avx512) {
         q4_1_rows_512(x, m, k, nibbles, scale, min, n, y);
         return;
@@ -547,12 +571,11 @@ static void q4_1_matmul(const float *x, int64_t m, int64_t k, const uint8_t *nib
 static void q8_0_matmul(const float *x, int64_t m, int64_t k, const int8_t *values, const float *scale, int64_t n,
                         float *y) {
     const int64_t blocks = k / GROUP;
-    if (m > FEW_ROWS) {
+    if (!few_rows(m, 1)) {
         const QuantizedRows w = {Q8_0, values, scale, NULL};
         matmul_many_rows(&w, x, m, k, n, y);
         return;
     }
-    if (use_avx512 < 0) srv_gguf_set_isa(-1);
     if (use_avx512) {
         q8_0_rows_512(x, m, k, values, scale, n, y);
         return;
@@ -566,7 +589,7 @@ static void q8_0_matmul(const float *x, int64_t m, int64_t k, const int8_t *valu
 
 static void q8_16_matmul(const float *x, int64_t m, int64_t k, const int8_t *values, const float *scale,
                          const float *min, int64_t n, float *y) {
-    if (m > FEW_ROWS) {
+    if (!few_rows(m, 0)) {
         const QuantizedRows w = {Q8_16, values, scale, min};
         matmul_many_rows(&w, x, m, k, n, y);
         return;
