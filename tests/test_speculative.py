@@ -4,6 +4,7 @@ leave nothing behind in the KV memory or the prefix cache."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -66,6 +67,24 @@ def test_accept_drafts_keeps_the_agreeing_prefix_and_the_targets_token():
     assert accept_drafts([3], []) == [3]
     with pytest.raises(ValueError):
         accept_drafts([1, 2], [1, 2])
+
+
+def test_ngram_drafts_read_on_past_the_end_of_text_repeating_a_short_cycle():
+    """A match at the end of the sequence continues into its own drafts: a word said over and
+    over (or a two-token cycle) is offered a full run of drafts, not the one or two tokens the
+    sequence holds after the match."""
+    from types import SimpleNamespace
+
+    from srv.plugins.speculative.ngram import INITIAL_DRAFTS, NgramAlgorithm
+    from srv.sdk.speculative import SpeculativeConfig, SpeculativeContext
+
+    for match_type in ("BFS", "PROB"):
+        config = SpeculativeConfig("NGRAM", num_draft_tokens=8, num_steps=1)
+        config = dataclasses.replace(config, ngram=dataclasses.replace(config.ngram, match_type=match_type))
+        algorithm = NgramAlgorithm(SpeculativeContext(config, 100))
+        word = SimpleNamespace(rid="word", token_ids=[5, 6, 7, 9, 9, 9], prompt_len=3, params=None)
+        cycle = SimpleNamespace(rid="cycle", token_ids=[5, 6, 7, 1, 2, 1, 2], prompt_len=3, params=None)
+        assert algorithm.propose([word, cycle], [7, 7]) == [[9] * INITIAL_DRAFTS, [1, 2, 1, 2][:INITIAL_DRAFTS]]
 
 
 def test_ngram_default_model_matches_hf(default_model_dir):

@@ -4,9 +4,9 @@ they occurred before, in its prompt or its output, are its drafts (prompt lookup
 Each request's n-grams (n from the min to the max match window) are indexed as its tokens are
 verified, keeping the latest max-bfs-breadth places each ended. A step matches the longest
 window first; the places it matched are branches (fewer for longer matches, from max down to
-min breadth), each with up to branch-length tokens after it, and the drafts follow them token by
-token: BFS takes the most recent branch still agreeing with the drafts so far, PROB the token
-most of those branches agree on. A request is offered fewer drafts after a failed verify and
+min breadth), each the tokens after it (reading on into the drafts past the sequence's end), and
+the drafts follow them token by token, up to branch-length: BFS takes the most recent branch
+still agreeing with the drafts so far, PROB the token most of those branches agree on. A request is offered fewer drafts after a failed verify and
 more after one where all held, and none for a while after one where none did (see `limits`).
 The index holds at most --speculative-ngram-capacity token places over all requests; past it,
 requests draft from what was already indexed.
@@ -130,18 +130,22 @@ class NgramAlgorithm(SpeculativeAlgorithm):
         if not n:
             return []
         length = min(budget, c.branch_length, self.limits.get(req.rid, INITIAL_DRAFTS))
-        branches = [tokens[p + 1: p + 1 + length] for p in places[-self._breadth(n):]]
         drafts: list[int] = []
-        while len(drafts) < length:
-            live = [b for b in branches if len(b) > len(drafts)]
-            if not live:
-                break
+
+        def token_at(i: int) -> int:   # of the sequence the drafts continue
+            return tokens[i] if i < len(tokens) else drafts[i - len(tokens)]
+
+        # Where each branch reads its next token. A branch that reaches the sequence's end reads
+        # on into the drafts: a match that close to the end is text repeating itself with that
+        # period (a word over and over), and the drafts repeat it too.
+        live = [p + 1 for p in places[-self._breadth(n):]]
+        while len(drafts) < length and live:
             if c.match_type == "BFS":
-                token = live[-1][len(drafts)]
+                token = token_at(live[-1])
             else:
-                counts = Counter(b[len(drafts)] for b in live)
+                counts = Counter(token_at(i) for i in live)
                 best = max(counts.values())
-                token = next(b[len(drafts)] for b in reversed(live) if counts[b[len(drafts)]] == best)
+                token = next(token_at(i) for i in reversed(live) if counts[token_at(i)] == best)
             drafts.append(token)
-            branches = [b for b in live if b[len(drafts) - 1] == token]
+            live = [i + 1 for i in live if token_at(i) == token]
         return drafts
