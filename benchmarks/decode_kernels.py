@@ -5,6 +5,9 @@ to the next), interleaved and best of several repetitions (this kind of VM is no
 - GGUF products: one decode step's linear layers (every decoder layer's four products and the
   vocabulary head) with Q4_1 / Q8_0 weights, on the C kernels and on the dense float32 copy
   (oneDNN, prepacked), at each row count: where `DENSE_FROM_FLOAT32_ROWS` comes from.
+- GGUF products in bf16 arithmetic: the same step's products as a bf16 model's decode steps run
+  them, on the C kernels' AMX and AVX-512 bodies and on the dense bf16 copy: where
+  `AMX_DENSE_FROM_ROWS` comes from.
 - Dense products: the same step's layers with float32 or bf16 weights, on srv's row-major
   kernel (float32 rows, srv.sdk.packed_linear) and on oneDNN's blocked copy (rows in the
   weights' dtype), at each row count: where `NATIVE_ROWS` comes from.
@@ -41,6 +44,7 @@ from srv.plugins.quantization import gguf
 from srv.plugins.quantization.gguf import GROUP, Q4_1Weight, Q8_0Weight
 from srv.sdk.lora import LoRAProduct, LoRASegment
 from srv.sdk.models import ModelConfig
+from srv.sdk.native import call_linear
 from srv.sdk.registration import requires_cpu_flags
 
 
@@ -63,7 +67,9 @@ def linear_shapes(config: ModelConfig) -> list[tuple[int, int]]:
             (2 * config.intermediate_size, config.hidden_size), (config.hidden_size, config.intermediate_size)]
 
 
-def gguf_products(config: ModelConfig, rows: list[int], repeats: int) -> None:
+def gguf_layers(config: ModelConfig, dtype: torch.dtype) -> list[tuple[gguf.BlockWeight, PackedLinear]]:
+    """One decode step's products as GGUF blocks (Q4_1 layers, a Q8_0 head), each with its dense
+    copy in `dtype`."""
     generator = torch.Generator().manual_seed(0)
     layers = []
     for n, k in linear_shapes(config) * config.num_hidden_layers:
@@ -71,11 +77,17 @@ def gguf_products(config: ModelConfig, rows: list[int], repeats: int) -> None:
         scale = torch.rand(n, k // GROUP, generator=generator) * 0.01
         low = -torch.rand(n, k // GROUP, generator=generator) * 0.05
         dense = (q.float().view(n, -1, GROUP) * scale[..., None] + low[..., None]).view(n, k)
-        layers.append((Q4_1Weight.from_blocks(q, scale, low), PackedLinear(dense, None)))
+        layers.append((Q4_1Weight.from_blocks(q, scale, low), PackedLinear(dense.to(dtype), None)))
     q8 = torch.randint(-127, 128, (config.vocab_size, config.hidden_size), generator=generator)
     scale8 = torch.rand(config.vocab_size, config.hidden_size // GROUP, generator=generator) * 0.001
     head_dense = (q8.float().view(config.vocab_size, -1, GROUP) * scale8[..., None]).view(q8.shape)
-    layers.append((Q8_0Weight.from_blocks(q8, scale8), PackedLinear(head_dense, None)))
+    layers.append((Q8_0Weight.from_blocks(q8, scale8), PackedLinear(head_dense.to(dtype), None)))
+    return layers
+
+
+def gguf_products(config: ModelConfig, rows: list[int], repeats: int) -> None:
+    generator = torch.Generator().manual_seed(0)
+    layers = gguf_layers(config, torch.float32)
     avx512 = torch.cpu._is_avx512_supported()
     print("| rows | C kernels | C kernels, AVX2 rows | dense float32 copy |\n| ---: | ---: | ---: | ---: |")
     for m in rows:
@@ -99,6 +111,38 @@ def gguf_products(config: ModelConfig, rows: list[int], repeats: int) -> None:
             best = best_ms(runs, repeats)
         avx2 = f"{best['avx2']:.1f} ms" if avx512 else "(the same)"
         print(f"| {m} | {best['kernels']:.1f} ms | {avx2} | {best['dense']:.1f} ms |", flush=True)
+
+
+def gguf_bf16_products(config: ModelConfig, rows: list[int], repeats: int) -> None:
+    """The same step's products in bf16 arithmetic (a bf16 model's decode steps): the C kernels on
+    AMX's tiles and in AVX-512 (vdpbf16ps), and the dense bf16 copy (oneDNN)."""
+    if not gguf.has_bf16_products():
+        print("(this CPU has no bf16 products)")
+        return
+    generator = torch.Generator().manual_seed(0)
+    layers = gguf_layers(config, torch.bfloat16)
+    print("| rows | C kernels, AMX | C kernels, AVX-512 | dense bf16 copy |\n| ---: | ---: | ---: | ---: |")
+    for m in rows:
+        inputs = {k: torch.randn(m, k, generator=generator) for k in {w.in_features for w, _ in layers}}
+        rounded = {k: x.bfloat16() for k, x in inputs.items()}
+
+        def kernels(isa: str) -> Callable[[], None]:
+            def run() -> None:
+                gguf.set_isa(isa)
+                for weight, _ in layers:
+                    call_linear(weight.bf16_kernel, inputs[weight.in_features], weight.out_features)
+                gguf.set_isa(None)
+            return run
+
+        def dense() -> None:
+            for weight, packed in layers:
+                packed(rounded[weight.in_features])
+
+        runs = {"avx512": kernels("avx512"), "dense": dense} | ({"amx": kernels("amx")} if gguf.has_amx() else {})
+        with torch.inference_mode():
+            best = best_ms(runs, repeats)
+        amx = f"{best['amx']:.1f} ms" if "amx" in best else "(no AMX here)"
+        print(f"| {m} | {amx} | {best['avx512']:.1f} ms | {best['dense']:.1f} ms |", flush=True)
 
 
 def dense_products(config: ModelConfig, rows: list[int], repeats: int) -> None:
@@ -206,6 +250,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.decode_kernels",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 32, 64, 128, 256])
+    parser.add_argument("--bf16-rows", type=int, nargs="+", default=[8, 12, 16, 32, 48, 64, 128])
     parser.add_argument("--dense-rows", type=int, nargs="+", default=[1, 2, 4, 7, 8, 12, 16])
     parser.add_argument("--lora-rows", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
@@ -217,6 +262,8 @@ def main() -> None:
     config = ModelConfig.read(GGUFLoader().prepare(default_model_path()))
     print(f"torch threads: {torch.get_num_threads()}\n\nGGUF products, one decode step:")
     gguf_products(config, args.rows, args.repeats)
+    print("\nGGUF products in bf16 arithmetic, one decode step:")
+    gguf_bf16_products(config, args.bf16_rows, args.repeats)
     print("\nDense products, one decode step:")
     dense_products(config, args.dense_rows, args.repeats)
     print("\nLoRA products, one decode step:")

@@ -299,19 +299,45 @@ def test_larger_bf16_decode_steps_run_the_python_layers_without_bf16_products(mo
     assert native_steps == [False] * 3
 
 
-@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
-def test_bf16_products_round_rows_and_weights_to_bf16(kind):
-    from srv.plugins.quantization.gguf import has_bf16_products
+def test_bf16_kernels_serve_decode_steps_up_to_where_the_dense_copy_is_faster():
+    """A GGUF layer offers its bf16 kernel to native decode steps below AMX_DENSE_FROM_ROWS rows
+    where AMX computes it, below BF16_KERNEL_ROWS elsewhere (vdpbf16ps), and never without bf16
+    products; float32 rows get the float32 kernel either way."""
+    from srv.plugins.quantization import gguf
 
-    if not has_bf16_products():
+    dense = nn.Linear(128, 96, bias=False)
+    with torch.no_grad():
+        dense.weight.copy_(weight("Q4_1"))
+    layer = GGUFLinear(quantized_weight(dense.weight), dense)
+    limit = gguf.AMX_DENSE_FROM_ROWS if gguf.has_amx() else gguf.BF16_KERNEL_ROWS
+    offered = [rows for rows in range(1, DENSE_FROM_FLOAT32_ROWS) if layer.native_linear(rows, torch.bfloat16)]
+    assert offered == (list(range(1, limit)) if gguf.has_bf16_products() else [])
+    assert all(layer.native_linear(rows) is not None for rows in (1, 40, DENSE_FROM_FLOAT32_ROWS - 1))
+
+
+@pytest.mark.parametrize("isa", ["avx512", "amx"])
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+def test_bf16_products_round_rows_and_weights_to_bf16(kind, isa):
+    """On either body (vdpbf16ps, or AMX's tiles: 16 outputs by 16 rows a tile, so 40 outputs
+    and 17 or 40 rows leave part tiles, and 33 rows a third group)."""
+    from srv.plugins.quantization import gguf
+
+    if not gguf.has_bf16_products():
         pytest.skip("this CPU has no bf16 products (AVX512_BF16)")
+    if isa == "amx" and not gguf.has_amx():
+        pytest.skip("this CPU has no AMX-BF16 (or the OS does not lend its tiles)")
     w = weight(kind, 40, 96)
     quantized = (q4_1_weight if kind == "Q4_1" else q8_0_weight)(w)
-    for rows in (1, 5, 13):
-        x = torch.randn(rows, 96)
-        reference = x.bfloat16().double() @ w.bfloat16().double().t()
-        error = (call_linear(quantized.bf16_kernel, x, 40).double() - reference).abs().max() / reference.abs().max()
-        assert error < 1e-5, f"{rows} rows: relative error {error:.1e}"
+    gguf.set_isa(isa)
+    try:
+        for rows in (1, 5, 13, 17, 33, 40):
+            x = torch.randn(rows, 96)
+            reference = x.bfloat16().double() @ w.bfloat16().double().t()
+            product = call_linear(quantized.bf16_kernel, x, 40).double()
+            error = (product - reference).abs().max() / reference.abs().max()
+            assert error < 1e-5, f"{rows} rows: relative error {error:.1e}"
+    finally:
+        gguf.set_isa(None)
 
 
 def test_quantization_none_serves_a_gguf_file_dequantized():

@@ -34,11 +34,12 @@ SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCaus
 # where the served dtype's dense products (AMX) are faster. See BENCHMARKS.md.
 FLOAT32_DECODE_ROWS = int(os.environ.get("SRV_FLOAT32_DECODE_ROWS", "12"))
 # From FLOAT32_DECODE_ROWS rows up to this, a bf16 model's decode steps run the native layers with
-# products in bf16 arithmetic (each product's native_linear(rows, torch.bfloat16), where every
-# product has one: a GGUF file's blocks on a CPU with bf16 products): the arithmetic of the
+# products in bf16 arithmetic where every product offers a kernel for them
+# (native_linear(rows, torch.bfloat16): a GGUF file's blocks on a CPU with bf16 products, up to the
+# rows where the product's dense copy is faster, which the product knows): the arithmetic of the
 # Python layers' dense bf16 products, without their dozen Python calls a layer. Larger steps
 # are bound by the products alone, where oneDNN's are as fast and the calls cost little.
-BF16_DECODE_ROWS = int(os.environ.get("SRV_BF16_DECODE_ROWS", "32"))
+BF16_DECODE_ROWS = int(os.environ.get("SRV_BF16_DECODE_ROWS", "128"))
 
 
 def native_product(module: nn.Module, rows: int, dtype: torch.dtype) -> NativeKernel | None:

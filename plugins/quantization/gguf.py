@@ -56,6 +56,16 @@ GROUP = 32
 # native float32 layers instead (srv's Llama).
 DENSE_FROM_FLOAT32_ROWS = 128
 DENSE_FROM_OTHER_DTYPES_ROWS = 8
+# Where bf16 products run on AMX's tiles (has_amx), bf16 rows from DENSE_FROM_OTHER_DTYPES_ROWS
+# up to this are computed from the file's blocks in bf16 arithmetic (srv_gguf_linear_bf16) rather
+# than by the dense copy: the tiles multiply as fast as oneDNN's, and the kernel reads 4.5 or 8.5
+# bits a weight where the dense copy reads 16. Measured by `python -m benchmarks.decode_kernels`
+# (GGUF products in bf16 arithmetic) on an AMX Xeon: the kernel wins up to 96 rows, and loses
+# from 112 (an odd count of 16-row groups) and 160.
+AMX_DENSE_FROM_ROWS = 97
+# Without AMX, bf16 products (vdpbf16ps) run as native decode layers' products below this many
+# rows; the dense copy computes larger steps faster.
+BF16_KERNEL_ROWS = 32
 ROWS_PER_SLICE = 1024
 # Recovered blocks must rebuild the file's values to float32 rounding.
 TOLERANCE = 1e-6
@@ -80,10 +90,22 @@ def has_bf16_products() -> bool:
     return bool(kernels().srv_gguf_has_bf16())
 
 
+@functools.cache
+def has_amx() -> bool:
+    """Whether bf16 products run on AMX's tiles (the CPU has AMX-BF16 and the OS lends them)."""
+    return bool(kernels().srv_gguf_has_amx())
+
+
+def bf16_kernel_rows() -> int:
+    """The rows below which a layer's bf16 products run on its kernel (native_linear)."""
+    return AMX_DENSE_FROM_ROWS if has_amx() else BF16_KERNEL_ROWS
+
+
 def set_isa(name: str | None) -> None:
-    """Force the few-row products' instruction set ("avx2", or "avx512" where the CPU has it;
-    None: the CPU's best). For tests."""
-    kernels().srv_gguf_set_isa({None: -1, "avx2": 0, "avx512": 1}[name])
+    """Force the products' instruction set: "avx2", "avx512" (the few-row products in AVX-512,
+    bf16 products in AVX-512 without AMX) or "amx" (the same with bf16 products on AMX), where
+    the CPU has it; None: the CPU's best. For tests and benchmarks."""
+    kernels().srv_gguf_set_isa({None: -1, "avx2": 0, "avx512": 1, "amx": 2}[name])
 
 
 class LinearContext(ctypes.Structure):
@@ -202,7 +224,7 @@ class GGUFLinear(nn.Module):
             return None
         if dtype == torch.float32:
             return self.weight.kernel
-        return self.weight.bf16_kernel if dtype == torch.bfloat16 else None
+        return self.weight.bf16_kernel if dtype == torch.bfloat16 and rows < bf16_kernel_rows() else None
 
     def _kernel_alone(self, rows: int) -> bool:
         """Whether `rows` float32 rows are the kernel's product and nothing else."""

@@ -17,9 +17,13 @@
  * share its thread pool and thread count.
  */
 
+#include <cpuid.h>
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #define GROUP 32
 /* Up to FEW_ROWS activation rows, each weight block is scaled in registers for every row
@@ -308,12 +312,16 @@ static void q8_0_byte_order(const float *x, int64_t m, int64_t k, float *out) {
 }
 
 static int use_avx512 = -1;
+static int use_amx = -1;
+int srv_gguf_has_amx(void);
 
-/* 1: the AVX-512 rows, 0: the AVX2 ones, -1: the CPU's best. */
-void srv_gguf_set_isa(int avx512) {
+/* 2: the AVX-512 rows and AMX's bf16 products, 1: the AVX-512 rows and bf16 products in
+ * AVX-512, 0: the AVX2 rows, -1: the CPU's best. */
+void srv_gguf_set_isa(int isa) {
     __builtin_cpu_init();
     const int has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
-    use_avx512 = avx512 < 0 ? has : avx512 && has;
+    use_avx512 = isa < 0 ? has : isa >= 1 && has;
+    use_amx = (isa < 0 || isa == 2) && srv_gguf_has_amx();
 }
 
 AVX512 static void q4_1_rows_512(const float *x, int64_t m, int64_t k, const uint8_t *nibbles, const float *scale,
@@ -510,6 +518,127 @@ BF16 static void bf16_row(const QuantizedRows *w, int64_t i, int64_t k, float *w
         round_to_bf16(widened, k, out);
     }
 }
+/* Products in bf16 on AMX's tiles: the same arithmetic (rows and weights rounded to bf16,
+ * products summed in float32), one TDPBF16PS a 16 x 16 x 32 block where vdpbf16ps does 16 x 2.
+ * The tiles compute y^T = W x^T: A, 16 weight rows widened to bf16 (bf16_row) as they lie, 32
+ * inputs a tile; B, 16 rows of x with each pair of neighbouring inputs side by side (the layout
+ * TDPBF16PS reads its second operand in), built once a call; C, 16 outputs of 16 rows, written
+ * back transposed. Each thread widens 16 weight rows at a time once for every 16-row group of x,
+ * two groups a pass. Linux lends a process the tiles' state only when asked (arch_prctl). */
+#define AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16,avx2,fma")))
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+#define TILE 16
+
+static int amx_usable = -1;
+
+/* Whether this CPU has AMX-BF16 and the OS lets this process use the tiles. */
+int srv_gguf_has_amx(void) {
+    if (amx_usable < 0) {
+        unsigned a, b, c, d;
+        amx_usable = srv_gguf_has_bf16() && __get_cpuid_count(7, 0, &a, &b, &c, &d) && ((d >> 22) & 1) &&
+                     ((d >> 24) & 1) && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    }
+    return amx_usable;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t bytes_per_row[16];
+    uint8_t rows[16];
+} TileConfig;
+
+enum { TILE_W = 0, TILE_X = 1, TILE_Y = 3 };   /* A; B for two groups of x rows (1, 2); C for each (3, 4) */
+
+/* v[i][j] = v[j][i] for 16 vectors of 16 32-bit values (the bits moved, never converted). */
+AMX static inline void transpose_16(__m512 v[16]) {
+    __m512 t[16], u[16];
+    for (int i = 0; i < 16; i += 2) {   /* 32-bit pairs of neighbouring rows */
+        t[i] = _mm512_unpacklo_ps(v[i], v[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(v[i], v[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {   /* 64-bit pairs: four rows' column c, c + 4, c + 8, c + 12 */
+        for (int h = 0; h < 2; h++) {
+            const __m512d a = _mm512_castps_pd(t[i + h]), b = _mm512_castps_pd(t[i + h + 2]);
+            u[i + 2 * h] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+            u[i + 2 * h + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+        }
+    }
+    for (int c = 0; c < 4; c++) {   /* the 128-bit lanes of the four row groups, column by column */
+        const __m512 low01 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x44), high01 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xEE);
+        const __m512 low23 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x44);
+        const __m512 high23 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xEE);
+        v[c] = _mm512_shuffle_f32x4(low01, low23, 0x88);
+        v[c + 4] = _mm512_shuffle_f32x4(low01, low23, 0xDD);
+        v[c + 8] = _mm512_shuffle_f32x4(high01, high23, 0x88);
+        v[c + 12] = _mm512_shuffle_f32x4(high01, high23, 0xDD);
+    }
+}
+
+AMX static void matmul_amx(const QuantizedRows *w, const uint16_t *xb, int64_t m, int64_t k, int64_t n, float *y) {
+    const int64_t pairs = k / 2, groups = (m + TILE - 1) / TILE;
+    /* xv [groups][pairs][TILE rows][2]: row r's inputs 2p and 2p + 1 as one 32-bit unit, rows
+     * past m zero; 16 rows by 16 pairs at a time, transposed. */
+    uint32_t *xv = malloc((size_t)(groups * pairs * TILE) * sizeof(uint32_t));
+    const uint32_t *xb_pairs = (const uint32_t *)xb;
+    for (int64_t g = 0; g < groups; g++)
+        for (int64_t p = 0; p < pairs; p += TILE) {
+            __m512 v[TILE];
+            for (int r = 0; r < TILE; r++)
+                v[r] = g * TILE + r < m ? _mm512_loadu_ps(xb_pairs + (g * TILE + r) * pairs + p) : _mm512_setzero_ps();
+            transpose_16(v);
+            for (int j = 0; j < TILE; j++) _mm512_storeu_ps(xv + (g * pairs + p + j) * TILE, v[j]);
+        }
+#pragma omp parallel
+    {
+        TileConfig config;
+        memset(&config, 0, sizeof config);
+        config.palette = 1;
+        for (int t = 0; t < 5; t++) {
+            config.rows[t] = TILE;
+            config.bytes_per_row[t] = 64;
+        }
+        _tile_loadconfig(&config);
+        float *widened = malloc((size_t)k * sizeof(float));
+        uint16_t *rows = calloc((size_t)(TILE * k), sizeof(uint16_t));
+        float out[2][TILE][TILE] __attribute__((aligned(64)));
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < n; i += TILE) {
+            const int present = n - i < TILE ? (int)(n - i) : TILE;
+            for (int j = 0; j < present; j++) bf16_row(w, i + j, k, widened, rows + j * k);
+            if (present < TILE) memset(rows + present * k, 0, (size_t)((TILE - present) * k) * sizeof(uint16_t));
+            for (int64_t g = 0; g < groups; g += 2) {
+                const int two = g + 1 < groups;
+                _tile_zero(3);
+                _tile_zero(4);
+                for (int64_t c = 0; c < k; c += 32) {
+                    _tile_loadd(0, rows + c, k * sizeof(uint16_t));
+                    _tile_loadd(1, xv + (g * pairs + c / 2) * TILE, TILE * sizeof(uint32_t));
+                    _tile_dpbf16ps(3, 0, 1);
+                    if (two) {
+                        _tile_loadd(2, xv + ((g + 1) * pairs + c / 2) * TILE, TILE * sizeof(uint32_t));
+                        _tile_dpbf16ps(4, 0, 2);
+                    }
+                }
+                _tile_stored(3, out[0], TILE * sizeof(float));
+                _tile_stored(4, out[1], TILE * sizeof(float));
+                const __mmask16 outputs = (__mmask16)((1u << present) - 1);
+                for (int h = 0; h <= two; h++) {   /* out[h] holds [outputs][rows]: y wants [rows][outputs] */
+                    __m512 v[TILE];
+                    for (int o = 0; o < TILE; o++) v[o] = _mm512_load_ps(out[h][o]);
+                    transpose_16(v);
+                    for (int64_t r = (g + h) * TILE; r < m && r < (g + h + 1) * TILE; r++)
+                        _mm512_mask_storeu_ps(y + r * n + i, outputs, v[r % TILE]);
+                }
+            }
+        }
+        free(widened);
+        free(rows);
+        _tile_release();
+    }
+    free(xv);
+}
+
 BF16 static void matmul_bf16(const QuantizedRows *w, const float *x, int64_t m, int64_t k, int64_t n, float *y) {
     uint16_t *xb = malloc((size_t)(m * k) * sizeof(uint16_t));
     if (w->format == Q8_0) {   /* the weights come in their bytes' order */
@@ -519,6 +648,12 @@ BF16 static void matmul_bf16(const QuantizedRows *w, const float *x, int64_t m, 
         free(ordered);
     } else {
         round_to_bf16(x, m * k, xb);
+    }
+    if (use_amx < 0) srv_gguf_set_isa(-1);
+    if (use_amx) {
+        matmul_amx(w, xb, m, k, n, y);
+        free(xb);
+        return;
     }
 #pragma omp parallel
     {
