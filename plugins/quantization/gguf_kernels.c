@@ -575,6 +575,15 @@ AMX static inline void transpose_16(__m512 v[16]) {
     }
 }
 
+/* Rows [first, first + count) of `w` (its values or nibbles, scales and mins) asked into the cache. */
+static void prefetch_rows(const QuantizedRows *w, int64_t first, int64_t count, int64_t k) {
+    const int64_t scales = w->format == Q8_16 ? k / 16 : k / GROUP;
+    const int64_t bytes = w->format == Q4_1 ? (k / GROUP + 1) / 2 * GROUP : k;
+    prefetch_bytes((const char *)w->data + first * bytes, count * bytes);
+    prefetch_bytes(w->scale + first * scales, count * scales * (int64_t)sizeof(float));
+    if (w->min) prefetch_bytes(w->min + first * scales, count * scales * (int64_t)sizeof(float));
+}
+
 AMX static void matmul_amx(const QuantizedRows *w, const uint16_t *xb, int64_t m, int64_t k, int64_t n, float *y) {
     const int64_t pairs = k / 2, groups = (m + TILE - 1) / TILE;
     /* xv [groups][pairs][TILE rows][2]: row r's inputs 2p and 2p + 1 as one 32-bit unit, rows
@@ -605,6 +614,7 @@ AMX static void matmul_amx(const QuantizedRows *w, const uint16_t *xb, int64_t m
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < n; i += TILE) {
             const int present = n - i < TILE ? (int)(n - i) : TILE;
+            if (i + 2 * TILE <= n) prefetch_rows(w, i + TILE, TILE, k);   /* the next block, this thread's */
             for (int j = 0; j < present; j++) bf16_row(w, i + j, k, widened, rows + j * k);
             if (present < TILE) memset(rows + present * k, 0, (size_t)((TILE - present) * k) * sizeof(uint16_t));
             for (int64_t g = 0; g < groups; g += 2) {
