@@ -23,6 +23,7 @@ from srv.sdk.layers import (MergedColumnParallelLinear, Sharding, ParallelLMHead
 from srv.sdk.linear import checkpoint_key, load_weight, shard_rows
 from srv.sdk.models import ModelOutput
 from srv.sdk.parallel import ParallelContext
+from srv.sdk.registration import requires_cpu_flags
 from srv.sdk.native import NativeBuildError, NativeKernel, has_forward_hooks, load_c_library
 
 logger = logging.getLogger("srv.models")
@@ -31,8 +32,13 @@ SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCaus
 # A model served in bf16 or fp16 runs decode steps of fewer rows than this in float32 through the
 # native layers when they have kernels (a GGUF file's blocks): those steps are bound by the bytes
 # the products read, and the C layers skip the Python calls. Larger steps are bound by arithmetic,
-# where the served dtype's dense products (AMX) are faster. See BENCHMARKS.md.
-FLOAT32_DECODE_ROWS = int(os.environ.get("SRV_FLOAT32_DECODE_ROWS", "12"))
+# where the served dtype's dense products (AMX) are faster. See BENCHMARKS.md. On a CPU with AMX,
+# bf16 products on its tiles are faster from 9 rows, where the float32 kernels stop scaling each
+# weight in registers for every row (`srv bench one-batch`, BENCHMARKS.md's notes).
+# Up to 8 rows stay in float32 either way, so a speculative verify pass of a token and its
+# drafts sums each row as a one-row step does.
+FLOAT32_DECODE_ROWS = int(os.environ.get("SRV_FLOAT32_DECODE_ROWS") or
+                          (9 if requires_cpu_flags("amx_bf16", "amx_tile")().ok else 12))
 # From FLOAT32_DECODE_ROWS rows up to this, a bf16 model's decode steps run the native layers with
 # products in bf16 arithmetic where every product offers a kernel for them
 # (native_linear(rows, torch.bfloat16): a GGUF file's blocks on a CPU with bf16 products, up to the
