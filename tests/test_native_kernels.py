@@ -132,6 +132,51 @@ def test_rotary_kernel_matches_torch(monkeypatch, heads, head_dim):
     assert torch.equal(fused[:, heads * head_dim:], qkv[:, heads * head_dim:])
 
 
+def assert_bf16_rows_match(fused: torch.Tensor, reference: torch.Tensor) -> None:
+    """bf16 rows equal torch's but for a rare last-place rounding: the kernels sum squares and
+    take exp in another order and formula than torch, so an unrounded float32 value a few units
+    of its last place away can round to the neighbouring bf16."""
+    assert fused.dtype == reference.dtype == torch.bfloat16
+    torch.testing.assert_close(fused.float(), reference.float(), rtol=2 ** -7, atol=1e-30)
+    assert (fused != reference).float().mean() < 0.01
+
+
+@pytest.mark.parametrize("rows, hidden", [(1, 576), (70, 576), (3, 5)])
+def test_bf16_norms_match_torch(monkeypatch, rows, hidden):
+    """A bf16 model's norms (its prefills): plain, and with the residual's sum rounded to bf16 in
+    place, above and below the rows where the kernels take threads."""
+    norm = llama.RMSNorm(hidden, 1e-5).to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(hidden))
+    x, residual = torch.randn(rows, hidden).bfloat16(), torch.randn(rows, hidden).bfloat16()
+    with torch.inference_mode():
+        fused = norm(x)
+        fused_residual = residual.clone()
+        fused_sum, returned = norm(x, fused_residual)
+        assert returned is fused_residual
+        torch_operators(monkeypatch)
+        reference = norm(x)
+        reference_sum, reference_residual = norm(x, residual)
+    assert torch.equal(fused_residual, reference_residual)
+    assert_bf16_rows_match(fused, reference)
+    assert_bf16_rows_match(fused_sum, reference_sum)
+
+
+@pytest.mark.parametrize("tokens", [5, 300])
+def test_bf16_rotary_matches_torch(monkeypatch, tokens):
+    heads, head_dim = 12, 64
+    rotary = llama.RotaryEmbedding(head_dim, 10000.0, None)
+    cos, sin = rotary(torch.arange(tokens) * 7)
+    qkv = torch.randn(tokens, (heads + 2) * head_dim).bfloat16()
+    fused, reference = qkv.clone(), qkv.clone()
+    with torch.inference_mode():
+        llama.apply_rotary(fused[:, :heads * head_dim].view(tokens, heads, head_dim), cos, sin)
+        torch_operators(monkeypatch)
+        llama.apply_rotary(reference[:, :heads * head_dim].view(tokens, heads, head_dim), cos, sin)
+    assert_bf16_rows_match(fused, reference)
+    assert torch.equal(fused[:, heads * head_dim:], qkv[:, heads * head_dim:])
+
+
 @pytest.mark.skipif(not can_pack(torch.float32), reason="needs oneDNN")
 def test_packed_linear_reorders_its_weight_at_its_first_product():
     generator = torch.Generator().manual_seed(0)

@@ -79,6 +79,9 @@ def kernels() -> ctypes.CDLL | None:
     library.srv_add_rms_norm.argtypes = [pointer, pointer, size, size, pointer, ctypes.c_float, pointer]
     library.srv_silu_mul.argtypes = [pointer, size, size, pointer]
     library.srv_rotary.argtypes = [pointer, size, size, size, size, pointer, pointer]
+    library.srv_rms_norm_bf16.argtypes = [pointer, size, size, size, pointer, ctypes.c_float, pointer]
+    library.srv_add_rms_norm_bf16.argtypes = [pointer, pointer, size, size, pointer, ctypes.c_float, pointer]
+    library.srv_rotary_bf16.argtypes = [pointer, size, size, size, size, pointer, pointer]
     library.srv_decode_layers.argtypes = [pointer, size, pointer, pointer, pointer, pointer, pointer, pointer, size,
                                           pointer, pointer, pointer, pointer, pointer, AllReduceFunction, size]
     return library
@@ -124,6 +127,11 @@ def float32_rows(x: torch.Tensor) -> bool:
     return x.dtype == torch.float32 and x.stride(-1) == 1 and kernels() is not None
 
 
+def bf16_rows(x: torch.Tensor) -> bool:
+    """Whether the bf16 C kernels take x: bf16 rows of contiguous values."""
+    return x.dtype == torch.bfloat16 and x.stride(-1) == 1 and kernels() is not None
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -133,18 +141,22 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """norm(x); with `residual`, the residual stream's step: (norm(residual + x), residual + x),
         the sum written into `residual` where the C kernel takes the rows."""
+        # The C kernels: float32 rows, or bf16 rows of a bf16 norm (a float32 weight would make
+        # torch's product float32).
+        native = x.dim() == 2 and (float32_rows(x) or bf16_rows(x) and self.weight.dtype == torch.bfloat16)
         if residual is not None:
-            if x.dim() == 2 and float32_rows(x) and x.is_contiguous() and residual.is_contiguous():
-                out = torch.empty(x.shape)
-                kernels().srv_add_rms_norm(residual.data_ptr(), x.data_ptr(), x.shape[0], x.shape[1],
-                                           self.weight.data_ptr(), self.eps, out.data_ptr())
+            if native and x.is_contiguous() and residual.is_contiguous() and residual.dtype == x.dtype:
+                out = torch.empty(x.shape, dtype=x.dtype)
+                add = kernels().srv_add_rms_norm if x.dtype == torch.float32 else kernels().srv_add_rms_norm_bf16
+                add(residual.data_ptr(), x.data_ptr(), x.shape[0], x.shape[1], self.weight.data_ptr(), self.eps,
+                    out.data_ptr())
                 return out, residual
             residual = residual + x
             return self(residual), residual
-        if x.dim() == 2 and float32_rows(x):
-            out = torch.empty(x.shape)
-            kernels().srv_rms_norm(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), self.weight.data_ptr(),
-                                   self.eps, out.data_ptr())
+        if native:
+            out = torch.empty(x.shape, dtype=x.dtype)
+            norm = kernels().srv_rms_norm if x.dtype == torch.float32 else kernels().srv_rms_norm_bf16
+            norm(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), self.weight.data_ptr(), self.eps, out.data_ptr())
             return out
         # Normalise in float32 whatever the served dtype, as the reference implementation does.
         dtype = x.dtype
@@ -191,9 +203,9 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """Rotates x [T, heads, head_dim] in place; cos, sin: [T, 1, head_dim]."""
-    if float32_rows(x) and x.stride(1) == x.shape[2]:
-        kernels().srv_rotary(x.data_ptr(), x.shape[0], x.shape[1], x.shape[2], x.stride(0), cos.data_ptr(),
-                             sin.data_ptr())
+    if (float32_rows(x) or bf16_rows(x)) and x.stride(1) == x.shape[2]:
+        rotary = kernels().srv_rotary if x.dtype == torch.float32 else kernels().srv_rotary_bf16
+        rotary(x.data_ptr(), x.shape[0], x.shape[1], x.shape[2], x.stride(0), cos.data_ptr(), sin.data_ptr())
         return
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)

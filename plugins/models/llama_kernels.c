@@ -1,4 +1,4 @@
-/* The Llama family's small per-layer operations on float32 rows, one call each where torch
+/* The Llama family's small per-layer operations on float32 rows (and bf16 ones), one call each where torch
  * runs six to eight operators of a few microseconds apiece: at one token a step those add up
  * to a fifth of the step. Plain C (the compiler vectorizes it), so no CPU feature is needed;
  * OpenMP threads (torch's runtime) only where a batch is large enough to pay for them.
@@ -85,6 +85,85 @@ void srv_rotary(float *x, int64_t tokens, int64_t heads, int64_t d, int64_t stri
                 const float third = high * c[i + half], fourth = low * s[i + half];
                 xh[i] = first + second;
                 xh[i + half] = third + fourth;
+            }
+        }
+    }
+}
+
+/* The norms and the rotary embedding on bf16 rows, for a model served in bf16 (its prefills and
+ * the steps the Python layers run): each computed in float32 and rounded to bf16 where torch's
+ * operators round (nearest even), so that the rows are those torch's operators would give, where
+ * torch takes several passes over the rows and converts between the dtypes in each. (torch's own
+ * bf16 SiLU is as fast as this file's would be.) OpenMP threads over rows where there are enough
+ * of them. */
+static inline float from_bf16(uint16_t v) {
+    const uint32_t bits = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &bits, sizeof(f));
+    return f;
+}
+
+static inline uint16_t to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof(bits));
+    /* a select, not a branch, so that the loops calling it vectorize; a NaN stays a quiet NaN */
+    const uint32_t rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16, quiet = (bits >> 16) | 0x40;
+    return (uint16_t)(f != f ? quiet : rounded);
+}
+
+#define BF16_PARALLEL_FROM 32768   /* values: fewer run on the calling thread */
+
+static void rms_norm_row_bf16(const uint16_t *xr, int64_t hidden, const uint16_t *weight, float eps, uint16_t *o) {
+    float lanes[8] = {0};
+    int64_t i = 0;
+    for (; i + 8 <= hidden; i += 8)
+        for (int j = 0; j < 8; j++) lanes[j] += from_bf16(xr[i + j]) * from_bf16(xr[i + j]);
+    float squares = 0.0f;
+    for (; i < hidden; i++) squares += from_bf16(xr[i]) * from_bf16(xr[i]);
+    for (int j = 0; j < 8; j++) squares += lanes[j];
+    const float inverse = 1.0f / sqrtf(squares / (float)hidden + eps);
+    /* torch: weight * (x * rsqrt(...)).to(bf16), the product rounded again */
+    for (i = 0; i < hidden; i++) o[i] = to_bf16(from_bf16(weight[i]) * from_bf16(to_bf16(from_bf16(xr[i]) * inverse)));
+}
+
+/* srv_rms_norm on bf16 rows with a bf16 weight. */
+__attribute__((target_clones("avx512f", "avx2", "default")))
+void srv_rms_norm_bf16(const uint16_t *x, int64_t rows, int64_t hidden, int64_t stride, const uint16_t *weight,
+                       float eps, uint16_t *out) {
+#pragma omp parallel for if (rows * hidden >= BF16_PARALLEL_FROM)
+    for (int64_t r = 0; r < rows; r++) rms_norm_row_bf16(x + r * stride, hidden, weight, eps, out + r * hidden);
+}
+
+/* srv_add_rms_norm on bf16 rows: the sum rounded to bf16 into residual, then its norm. */
+__attribute__((target_clones("avx512f", "avx2", "default")))
+void srv_add_rms_norm_bf16(uint16_t *residual, const uint16_t *delta, int64_t rows, int64_t hidden,
+                           const uint16_t *weight, float eps, uint16_t *out) {
+#pragma omp parallel for if (rows * hidden >= BF16_PARALLEL_FROM)
+    for (int64_t r = 0; r < rows; r++) {
+        uint16_t *res = residual + r * hidden;
+        const uint16_t *d = delta + r * hidden;
+        for (int64_t i = 0; i < hidden; i++) res[i] = to_bf16(from_bf16(res[i]) + from_bf16(d[i]));
+        rms_norm_row_bf16(res, hidden, weight, eps, out + r * hidden);
+    }
+}
+
+/* srv_rotary on bf16 rows: float32 products and sum (torch promotes bf16 rows times float32
+ * cos and sin), rounded to bf16 once. */
+__attribute__((target_clones("avx512f", "avx2", "default")))
+void srv_rotary_bf16(uint16_t *x, int64_t tokens, int64_t heads, int64_t d, int64_t stride, const float *cos,
+                     const float *sin) {
+    const int64_t half = d / 2;
+#pragma omp parallel for if (tokens * heads * d >= BF16_PARALLEL_FROM)
+    for (int64_t t = 0; t < tokens; t++) {
+        const float *c = cos + t * d, *s = sin + t * d;
+        for (int64_t h = 0; h < heads; h++) {
+            uint16_t *xh = x + t * stride + h * d;
+            for (int64_t i = 0; i < half; i++) {
+                const float low = from_bf16(xh[i]), high = from_bf16(xh[i + half]);
+                const float first = low * c[i], second = -high * s[i];
+                const float third = high * c[i + half], fourth = low * s[i + half];
+                xh[i] = to_bf16(first + second);
+                xh[i + half] = to_bf16(third + fourth);
             }
         }
     }
