@@ -153,6 +153,12 @@ static inline float hsum(__m256 v) {
  * overlaps the arithmetic instead of stalling on each row in turn (1.3 to 1.8x on a cold
  * cache with 4 ahead; 8 and 16 did no better). */
 #define PREFETCH_AHEAD 4
+/* A 16-bit or float8 cache's rows are widened one after another, a few instructions each, so the
+ * row asked for must be further ahead for its fetch to arrive in time: at 4 rows the widening
+ * waited on every load (perf annotate), 16 and 32 did equally well (-DWIDEN_AHEAD=N to measure). */
+#ifndef WIDEN_AHEAD
+#define WIDEN_AHEAD 16
+#endif
 
 static inline void prefetch_floats(const float *start, int64_t count) {
     for (int64_t i = 0; i < count; i += 16) _mm_prefetch((const char *)(start + i), _MM_HINT_T0);
@@ -319,8 +325,8 @@ INLINE void chunk_values(const float *p, const float *const *values, int64_t len
 static void head_rows(const void *cache, int kv_format, float scale, const int64_t *slots, int64_t start,
                       int64_t len, int64_t kv_heads, int64_t kvh, int64_t d, float *widened, const float **rows) {
     for (int64_t t = start; t < len; t++) {
-        if (kv_format != KV_FLOAT32 && t + PREFETCH_AHEAD < len)
-            prefetch_row(cache, (slots[t + PREFETCH_AHEAD] * kv_heads + kvh) * d, kv_format, d);
+        if (kv_format != KV_FLOAT32 && t + WIDEN_AHEAD < len)
+            prefetch_row(cache, (slots[t + WIDEN_AHEAD] * kv_heads + kvh) * d, kv_format, d);
         const int64_t offset = (slots[t] * kv_heads + kvh) * d;
         if (kv_format == KV_FLOAT32) {
             rows[t] = (const float *)cache + offset;
