@@ -56,12 +56,12 @@ GROUP = 32
 # native float32 layers instead (srv's Llama).
 DENSE_FROM_FLOAT32_ROWS = 128
 DENSE_FROM_OTHER_DTYPES_ROWS = 8
-# Where bf16 products run on AMX's tiles (has_amx), bf16 rows from DENSE_FROM_OTHER_DTYPES_ROWS
-# up to this are computed from the file's blocks in bf16 arithmetic (srv_gguf_linear_bf16) rather
-# than by the dense copy: the tiles multiply as fast as oneDNN's, and the kernel reads 4.5 or 8.5
-# bits a weight where the dense copy reads 16. Measured by `python -m benchmarks.decode_kernels`
-# (GGUF products in bf16 arithmetic) on an AMX Xeon: the kernel wins up to 96 rows, and loses
-# from 112 (an odd count of 16-row groups) and 160.
+# Where bf16 products run on AMX's tiles (has_amx), a layer offers its bf16 kernel
+# (srv_gguf_linear_bf16, from the file's blocks) to native decode steps below this many rows,
+# which would otherwise run the Python layers on the dense bf16 copy: the kernel reads 4.5 or 8.5
+# bits a weight where the dense copy reads 16, and makes no oneDNN call a layer. Measured by
+# `python -m benchmarks.decode_kernels` (GGUF products in bf16 arithmetic) on an AMX Xeon: the
+# kernel wins up to 96 rows, and loses from 112 (an odd count of 16-row groups) and 160.
 AMX_DENSE_FROM_ROWS = 97
 # Without AMX, bf16 products (vdpbf16ps) run as native decode layers' products below this many
 # rows; the dense copy computes larger steps faster.

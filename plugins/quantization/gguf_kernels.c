@@ -523,8 +523,9 @@ BF16 static void bf16_row(const QuantizedRows *w, int64_t i, int64_t k, float *w
  * The tiles compute y^T = W x^T: A, 16 weight rows widened to bf16 (bf16_row) as they lie, 32
  * inputs a tile; B, 16 rows of x with each pair of neighbouring inputs side by side (the layout
  * TDPBF16PS reads its second operand in), built once a call; C, 16 outputs of 16 rows, written
- * back transposed. Each thread widens 16 weight rows at a time once for every 16-row group of x,
- * two groups a pass. Linux lends a process the tiles' state only when asked (arch_prctl). */
+ * back transposed. Tiles: 0 holds A, 1 and 2 B for two groups of x rows, 3 and 4 their C. Each
+ * thread widens 16 weight rows at a time once for every 16-row group of x, two groups a pass.
+ * Linux lends a process the tiles' state only when asked (arch_prctl). */
 #define AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16,avx2,fma")))
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
@@ -548,8 +549,6 @@ typedef struct {
     uint8_t rows[16];
 } TileConfig;
 
-enum { TILE_W = 0, TILE_X = 1, TILE_Y = 3 };   /* A; B for two groups of x rows (1, 2); C for each (3, 4) */
-
 /* v[i][j] = v[j][i] for 16 vectors of 16 32-bit values (the bits moved, never converted). */
 AMX static inline void transpose_16(__m512 v[16]) {
     __m512 t[16], u[16];
@@ -565,7 +564,8 @@ AMX static inline void transpose_16(__m512 v[16]) {
         }
     }
     for (int c = 0; c < 4; c++) {   /* the 128-bit lanes of the four row groups, column by column */
-        const __m512 low01 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x44), high01 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xEE);
+        const __m512 low01 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x44);
+        const __m512 high01 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xEE);
         const __m512 low23 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x44);
         const __m512 high23 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xEE);
         v[c] = _mm512_shuffle_f32x4(low01, low23, 0x88);

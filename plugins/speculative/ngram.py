@@ -6,8 +6,9 @@ verified, keeping the latest max-bfs-breadth places each ended. A step matches t
 window first; the places it matched are branches (fewer for longer matches, from max down to
 min breadth), each the tokens after it (reading on into the drafts past the sequence's end), and
 the drafts follow them token by token, up to branch-length: BFS takes the most recent branch
-still agreeing with the drafts so far, PROB the token most of those branches agree on. A request is offered fewer drafts after a failed verify and
-more after one where all held, and none for a while after one where none did (see `limits`).
+still agreeing with the drafts so far, PROB the token most of those branches agree on. A request
+is offered fewer drafts after a failed verify and more after one where all held, and none for a
+while after one where none did (see `limits`).
 The index holds at most --speculative-ngram-capacity token places over all requests; past it,
 requests draft from what was already indexed.
 """
