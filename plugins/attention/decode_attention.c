@@ -319,26 +319,31 @@ INLINE void chunk_values(const float *p, const float *const *values, int64_t len
         FOR_CHUNK(vectors, left % 8, statement)                                                           \
     }
 
-/* Pointers to rows [start, len) of a request's keys or values for one KV head: in place in a
- * float32 cache, else widened into `widened` [len][d]; entries from len up to a multiple of 8
- * repeat row `start`. Rows are scattered over the cache, so each is fetched some tokens ahead. */
-static void head_rows(const void *cache, int kv_format, float scale, const int64_t *slots, int64_t start,
-                      int64_t len, int64_t kv_heads, int64_t kvh, int64_t d, float *widened, const float **rows) {
-    for (int64_t t = start; t < len; t++) {
+/* Pointers to one block's rows, [start, stop) of a request's keys or values for one KV head, at
+ * rows[0, stop - start): in place in a float32 cache, else widened into `widened` [TOKEN_BLOCK][d];
+ * entries on to a multiple of 8 repeat the first. Widened a block at a time, the rows
+ * are still in L1 when the query heads read them (widening a request's whole length first sent
+ * them out to L2 and back, which cost more than the arithmetic). Rows are scattered over the
+ * cache, so each is fetched some tokens ahead, across blocks up to the request's `len`. */
+static void block_rows(const void *cache, int kv_format, float scale, const int64_t *slots, int64_t start,
+                       int64_t stop, int64_t len, int64_t kv_heads, int64_t kvh, int64_t d, float *widened,
+                       const float **rows) {
+    for (int64_t t = start; t < stop; t++) {
         if (kv_format != KV_FLOAT32 && t + WIDEN_AHEAD < len)
             prefetch_row(cache, (slots[t + WIDEN_AHEAD] * kv_heads + kvh) * d, kv_format, d);
         const int64_t offset = (slots[t] * kv_heads + kvh) * d;
+        float *row = widened + (t - start) * d;
         if (kv_format == KV_FLOAT32) {
-            rows[t] = (const float *)cache + offset;
+            rows[t - start] = (const float *)cache + offset;
         } else {
             if (is_float8(kv_format))
-                widen_float8_row((const uint8_t *)cache + offset, kv_format, d, scale, widened + t * d);
+                widen_float8_row((const uint8_t *)cache + offset, kv_format, d, scale, row);
             else
-                widen_row((const uint16_t *)cache + offset, kv_format, d, widened + t * d);
-            rows[t] = widened + t * d;
+                widen_row((const uint16_t *)cache + offset, kv_format, d, row);
+            rows[t - start] = row;
         }
     }
-    for (int64_t t = len; t % 8; t++) rows[t] = rows[start];
+    for (int64_t t = stop - start; t % 8; t++) rows[t] = rows[0];
 }
 
 /* Consecutive requests of a batch whose slot tables begin with the same `shared` slots: a prefix
@@ -381,8 +386,8 @@ int64_t srv_decode_groups(const int64_t *kv_slots, int64_t stride, const int64_t
     return count;
 }
 
-/* Per thread: each member's scores [group heads][longest] and row pointers [longest], and for
- * 16-bit caches its widened rows [longest][d]. */
+/* Per thread: each member's scores [group heads][longest], and one block's row pointers
+ * [TOKEN_BLOCK] and, for caches not in float32, its widened rows [TOKEN_BLOCK][d]. */
 typedef struct {
     float *scores;
     const float **rows;
@@ -400,51 +405,50 @@ static void attend_group(const RequestGroup *group, int64_t kvh, const float *q,
                          int64_t stride, const int64_t *seq_lens, int64_t heads, int64_t kv_heads, int64_t d,
                          float scale, float *out, const Scratch *s) {
     const int64_t per_kv = heads / kv_heads, shared = group->shared, longest = s->longest;
-#define MEMBER_ROWS(m) ((const float *const *)s->rows + (m) * longest)
+    const float *const *rows = (const float *const *)s->rows;
 #define SCORES(m, g) (s->scores + ((m) * per_kv + (g)) * longest)
 #define QUERY(m, g) (q + (group->first + (m)) * q_stride + (kvh * per_kv + (g)) * d)
 #define OUTPUT(m, g) (out + ((group->first + (m)) * heads + kvh * per_kv + (g)) * d)
+#define SLOTS(m) (kv_slots + (group->first + (m)) * stride)
     for (int pass = 0; pass < 2; pass++) {
         const void *cache = pass == 0 ? k_cache : v_cache;
-        for (int64_t m = 0; m < group->count; m++) {
-            const int64_t b = group->first + m;
-            head_rows(cache, kv_format, scales[pass], kv_slots + b * stride, m == 0 ? 0 : shared, seq_lens[b], kv_heads, kvh,
-                      d, s->widened + m * longest * d, s->rows + m * longest);
-        }
-        for (int64_t t0 = 0; t0 < shared; t0 += TOKEN_BLOCK)
+        for (int64_t t0 = 0; t0 < shared; t0 += TOKEN_BLOCK) {
+            block_rows(cache, kv_format, scales[pass], SLOTS(0), t0, t0 + TOKEN_BLOCK, shared, kv_heads, kvh, d,
+                       s->widened, s->rows);
             for (int64_t m = 0; m < group->count; m++)
                 for (int64_t g = 0; g < per_kv; g++) {
                     const int fetch = m == 0 && g == 0;
                     if (pass == 0)
-                        FOR_EACH_CHUNK(d, chunk_scores(QUERY(m, g) + offset, MEMBER_ROWS(0) + t0, TOKEN_BLOCK,
-                                                       offset, tail, offset > 0, fetch, SCORES(m, g) + t0,
-                                                       VECTORS, MASKED))
+                        FOR_EACH_CHUNK(d, chunk_scores(QUERY(m, g) + offset, rows, TOKEN_BLOCK, offset, tail,
+                                                       offset > 0, fetch, SCORES(m, g) + t0, VECTORS, MASKED))
                     else
-                        FOR_EACH_CHUNK(d, chunk_values(SCORES(m, g) + t0, MEMBER_ROWS(0) + t0, TOKEN_BLOCK, offset,
-                                                       tail, t0 > 0, fetch, OUTPUT(m, g), VECTORS, MASKED))
+                        FOR_EACH_CHUNK(d, chunk_values(SCORES(m, g) + t0, rows, TOKEN_BLOCK, offset, tail, t0 > 0,
+                                                       fetch, OUTPUT(m, g), VECTORS, MASKED))
                 }
+        }
         for (int64_t m = 0; m < group->count; m++) {
             const int64_t len = seq_lens[group->first + m], end = pass == 0 ? (len + 7) / 8 * 8 : len;
             for (int64_t t0 = shared; t0 < end; t0 += TOKEN_BLOCK) {
                 const int64_t count = end - t0 < TOKEN_BLOCK ? end - t0 : TOKEN_BLOCK;
+                block_rows(cache, kv_format, scales[pass], SLOTS(m), t0, t0 + count < len ? t0 + count : len, len,
+                           kv_heads, kvh, d, s->widened, s->rows);
                 for (int64_t g = 0; g < per_kv; g++) {
                     if (pass == 0)
-                        FOR_EACH_CHUNK(d, chunk_scores(QUERY(m, g) + offset, MEMBER_ROWS(m) + t0, count, offset,
-                                                       tail, offset > 0, g == 0, SCORES(m, g) + t0, VECTORS,
-                                                       MASKED))
+                        FOR_EACH_CHUNK(d, chunk_scores(QUERY(m, g) + offset, rows, count, offset, tail, offset > 0,
+                                                       g == 0, SCORES(m, g) + t0, VECTORS, MASKED))
                     else
-                        FOR_EACH_CHUNK(d, chunk_values(SCORES(m, g) + t0, MEMBER_ROWS(m) + t0, count, offset,
-                                                       tail, t0 > 0, g == 0, OUTPUT(m, g), VECTORS, MASKED))
+                        FOR_EACH_CHUNK(d, chunk_values(SCORES(m, g) + t0, rows, count, offset, tail, t0 > 0, g == 0,
+                                                       OUTPUT(m, g), VECTORS, MASKED))
                 }
             }
             if (pass == 0)
                 for (int64_t g = 0; g < per_kv; g++) softmax(SCORES(m, g), len, scale);
         }
     }
-#undef MEMBER_ROWS
 #undef SCORES
 #undef QUERY
 #undef OUTPUT
+#undef SLOTS
 }
 
 static void decode_attention(const float *q, int64_t q_stride, const float *k_new, const float *v_new,
@@ -461,8 +465,8 @@ static void decode_attention(const float *q, int64_t q_stride, const float *k_ne
 #pragma omp parallel
     {
         const Scratch s = {malloc(members * (heads / kv_heads) * longest * sizeof(float)),
-                           malloc(members * longest * sizeof(float *)),
-                           kv_format == KV_FLOAT32 ? NULL : malloc(members * longest * d * sizeof(float)), longest};
+                           malloc(TOKEN_BLOCK * sizeof(float *)),
+                           kv_format == KV_FLOAT32 ? NULL : malloc(TOKEN_BLOCK * d * sizeof(float)), longest};
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < group_count * kv_heads; task++)
             attend_group(groups + task / kv_heads, task % kv_heads, q, q_stride, k_cache, v_cache, kv_format, scales,
