@@ -28,8 +28,10 @@ GREEDY_AGREEMENT_BOUND = 0.80
 
 
 def runnable_isas() -> list[str]:
-    needs = {"portable": (), "avx2": ("avx2", "fma"), "avx512_vnni": ("avx512f", "avx512bw", "avx512_vnni")}
-    return [isa for isa, flags in needs.items() if requires_cpu_flags(*flags)().ok]
+    needs = {"portable": (), "avx2": ("avx2", "fma"), "avx512_vnni": ("avx512f", "avx512bw", "avx512_vnni"),
+             "amx": ("amx_int8", "amx_tile", "avx512f", "avx512bw", "avx512_vnni")}
+    return [isa for isa, flags in needs.items() if requires_cpu_flags(*flags)().ok
+            and (isa != "amx" or kernels().srv_int8_has_amx())]
 
 
 def reference_product(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

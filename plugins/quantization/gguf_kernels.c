@@ -17,6 +17,7 @@
  * share its thread pool and thread count.
  */
 
+#define _GNU_SOURCE   /* syscall */
 #include <cpuid.h>
 #include <immintrin.h>
 #include <stdint.h>

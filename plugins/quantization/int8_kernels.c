@@ -14,16 +14,22 @@
  *   1 AVX2: vpmaddubsw takes unsigned times signed bytes, so |w| multiplies sign(q, w); each
  *     pair of products is at most 2 * 128 * 127, inside int16;
  *   2 AVX512-VNNI: vpdpbusd accumulates (q + 128) * w in int32; 128 * sum_k w[n][k] is taken
- *     off once per output (`weight_sums`).
+ *     off once per output (`weight_sums`);
+ *   3 AMX-INT8 from AMX_ROWS rows (gemm_amx), VNNI's product below.
  * Weights w [N][K] int8 row-major; x [M][K] and y [M][N] float32 row-major.
  * Threads: OpenMP over output channels, in torch's runtime and thread count.
  */
 
+#define _GNU_SOURCE   /* syscall */
+#include <cpuid.h>
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 typedef struct {
     int64_t isa;
@@ -266,27 +272,167 @@ void srv_int8_scale_products(const Int8Linear *c, const int32_t *acc, const floa
     }
 }
 
+/* AMX-INT8: TDPBUSD multiplies unsigned bytes of its first tile by signed bytes of its second,
+ * sixteen by sixteen by 64 at a time. The weights are the first operand, flipped to w + 128 as
+ * they are staged for the tile (a sign-bit xor), so they are read as they lie, row by row; the
+ * activations are the second, sixteen rows at a time with each four neighbouring bytes of a row
+ * side by side (the layout TDPBUSD reads it in), built once a call. The tiles hold
+ * sum_k (w + 128) q, and 128 * sum_k q of each activation row is taken off: exact int32 sums,
+ * the same as every other instruction set's, for any K a multiple of 64 (other shapes take the
+ * VNNI product). Tiles: 0 holds the weights, 1 and 2 the activations of two groups of 16 rows,
+ * 3 and 4 their sums. Linux lends a process the tiles' state only when asked (arch_prctl). */
+#define AMX_INT8 __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vnni")))
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+#define TILE 16
+/* Rows from which isa 3 runs a product on the tiles; fewer take VNNI's, which needs neither the
+ * staged weights nor the transposes. */
+#define AMX_ROWS 4
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t bytes_per_row[16];
+    uint8_t rows[16];
+} TileConfig;
+
+static int amx_usable = -1;
+
+/* Whether this CPU has AMX-INT8 and the OS lets this process use the tiles. */
+int srv_int8_has_amx(void) {
+    if (amx_usable < 0) {
+        unsigned a, b, c, d;
+        amx_usable = __builtin_cpu_supports("avx512vnni") && __get_cpuid_count(7, 0, &a, &b, &c, &d) &&
+                     ((d >> 24) & 1) && ((d >> 25) & 1) &&
+                     syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    }
+    return amx_usable;
+}
+
+/* v[i][j] = v[j][i] for 16 vectors of 16 32-bit values. */
+AMX_INT8 static inline void transpose_16x16(__m512i v[16]) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(v[i], v[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(v[i], v[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4)
+        for (int h = 0; h < 2; h++) {
+            u[i + 2 * h] = _mm512_unpacklo_epi64(t[i + h], t[i + h + 2]);
+            u[i + 2 * h + 1] = _mm512_unpackhi_epi64(t[i + h], t[i + h + 2]);
+        }
+    for (int c = 0; c < 4; c++) {
+        const __m512i low01 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44), high01 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);
+        const __m512i low23 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44), high23 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
+        v[c] = _mm512_shuffle_i32x4(low01, low23, 0x88);
+        v[c + 4] = _mm512_shuffle_i32x4(low01, low23, 0xDD);
+        v[c + 8] = _mm512_shuffle_i32x4(high01, high23, 0x88);
+        v[c + 12] = _mm512_shuffle_i32x4(high01, high23, 0xDD);
+    }
+}
+
+AMX_INT8 static void gemm_amx(const Int8Linear *c, const int8_t *q, const float *sx, int64_t rows, float *y) {
+    const int64_t k = c->in_features, n_out = c->out_features, chunks = k / 64, groups = (rows + TILE - 1) / TILE;
+    /* qv [groups][chunks][16 units][16 rows]: row r's bytes 4u..4u+3 of the chunk as one unit,
+     * rows past the last zero; and each row's 128 * sum_k q. */
+    int32_t *qv = malloc((size_t)(groups * chunks * TILE * TILE) * sizeof(int32_t));
+    int32_t *offsets = calloc((size_t)(groups * TILE), sizeof(int32_t));
+    for (int64_t g = 0; g < groups; g++)
+        for (int64_t ch = 0; ch < chunks; ch++) {
+            __m512i v[TILE];
+            for (int r = 0; r < TILE; r++)
+                v[r] = g * TILE + r < rows ? _mm512_loadu_si512(q + (g * TILE + r) * k + ch * 64) : _mm512_setzero_si512();
+            transpose_16x16(v);
+            for (int u = 0; u < TILE; u++) _mm512_storeu_si512(qv + ((g * chunks + ch) * TILE + u) * TILE, v[u]);
+        }
+    for (int64_t m = 0; m < rows; m++) {
+        int32_t sum = 0;
+        for (int64_t i = 0; i < k; i++) sum += q[m * k + i];
+        offsets[m] = 128 * sum;
+    }
+    #pragma omp parallel
+    {
+        TileConfig config;
+        memset(&config, 0, sizeof config);
+        config.palette = 1;
+        for (int t = 0; t < 5; t++) {
+            config.rows[t] = TILE;
+            config.bytes_per_row[t] = 64;
+        }
+        _tile_loadconfig(&config);
+        uint8_t *staged = malloc((size_t)(TILE * k));
+        int32_t sums[2][TILE][TILE] __attribute__((aligned(64)));
+        const __m512i sign = _mm512_set1_epi8((char)0x80);
+        #pragma omp for schedule(static)
+        for (int64_t n0 = 0; n0 < n_out; n0 += TILE) {
+            const int present = n_out - n0 < TILE ? (int)(n_out - n0) : TILE;
+            for (int j = 0; j < TILE; j++) {
+                const int8_t *w = c->weight + (n0 + (j < present ? j : 0)) * k;
+                for (int64_t i = 0; i < k; i += 64)
+                    _mm512_storeu_si512(staged + j * k + i, _mm512_xor_si512(_mm512_loadu_si512(w + i), sign));
+            }
+            const __mmask16 outputs = (__mmask16)((1u << present) - 1);
+            const __m512 scale = _mm512_maskz_loadu_ps(outputs, c->scale + n0);
+            const __m512 bias = c->bias ? _mm512_maskz_loadu_ps(outputs, c->bias + n0) : _mm512_setzero_ps();
+            for (int64_t g = 0; g < groups; g += 2) {
+                const int two = g + 1 < groups;
+                _tile_zero(3);
+                _tile_zero(4);
+                for (int64_t ch = 0; ch < chunks; ch++) {
+                    _tile_loadd(0, staged + ch * 64, k);
+                    _tile_loadd(1, qv + (g * chunks + ch) * TILE * TILE, TILE * sizeof(int32_t));
+                    _tile_dpbusd(3, 0, 1);
+                    if (two) {
+                        _tile_loadd(2, qv + ((g + 1) * chunks + ch) * TILE * TILE, TILE * sizeof(int32_t));
+                        _tile_dpbusd(4, 0, 2);
+                    }
+                }
+                _tile_stored(3, sums[0], TILE * sizeof(int32_t));
+                _tile_stored(4, sums[1], TILE * sizeof(int32_t));
+                for (int h = 0; h <= two; h++) {   /* sums[h] is [outputs][rows]: y wants [rows][outputs] */
+                    __m512i v[TILE];
+                    for (int o = 0; o < TILE; o++) v[o] = _mm512_load_si512(sums[h][o]);
+                    transpose_16x16(v);
+                    for (int64_t m = (g + h) * TILE; m < rows && m < (g + h + 1) * TILE; m++) {
+                        const __m512i exact = _mm512_sub_epi32(v[m % TILE], _mm512_set1_epi32(offsets[m]));
+                        __m512 out = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(exact), _mm512_set1_ps(sx[m])), scale);
+                        if (c->bias) out = _mm512_add_ps(out, bias);
+                        _mm512_mask_storeu_ps(y + m * n_out + n0, outputs, out);
+                    }
+                }
+            }
+        }
+        free(staged);
+        _tile_release();
+    }
+    free(qv);
+    free(offsets);
+}
+
 /* y [rows][N] = the product of x [rows][K] (float32) with the layer, as described above. */
 void srv_int8_linear(const Int8Linear *c, const float *x, int64_t rows, float *y) {
     const int64_t k = c->in_features, n_out = c->out_features;
     int8_t *q = malloc((size_t)(rows * k) + 64);
     float *sx = malloc(sizeof(float) * (size_t)rows);
-    uint8_t *u = c->isa == 2 ? malloc((size_t)(rows * k) + 64) : NULL;
     srv_int8_quantize_rows(x, rows, k, q, sx, c->isa);
-    if (u) offset_rows(q, rows * k, u);
-    if (c->isa == 1 && rows >= TILED_ROWS) {
-        gemm_avx2(c, q, sx, rows, y);
+    if ((c->isa == 1 && rows >= TILED_ROWS) || (c->isa == 3 && rows >= AMX_ROWS && k % 64 == 0 && srv_int8_has_amx())) {
+        if (c->isa == 1)
+            gemm_avx2(c, q, sx, rows, y);
+        else
+            gemm_amx(c, q, sx, rows, y);
         free(q);
         free(sx);
         return;
     }
+    const int64_t isa = c->isa == 3 ? 2 : c->isa;   /* AMX's few rows: VNNI's product */
+    uint8_t *u = isa == 2 ? malloc((size_t)(rows * k) + 64) : NULL;
+    if (u) offset_rows(q, rows * k, u);
     #pragma omp parallel
     {
         int32_t *acc = malloc(sizeof(int32_t) * (size_t)rows);
         #pragma omp for schedule(static)
         for (int64_t n = 0; n < n_out; n++) {
-            if (c->isa == 2) dot_vnni(c, u, rows, n, acc);
-            else if (c->isa == 1) dot_avx2(c, q, rows, n, acc);
+            if (isa == 2) dot_vnni(c, u, rows, n, acc);
+            else if (isa == 1) dot_avx2(c, q, rows, n, acc);
             else dot_portable(c, q, rows, n, acc);
             const float scale = c->scale[n];
             for (int64_t m = 0; m < rows; m++) {

@@ -52,10 +52,11 @@ logger = logging.getLogger("srv.quantization")
 NATIVE_ROWS = 12
 NATIVE_LAYER_ROWS = 32
 # The instruction sets whose batches from NATIVE_ROWS rows go to oneDNN (see above): VNNI's, and
-# the portable one, where no kernel here is fast.
+# the portable one, where no kernel here is fast. AMX's tiles take every batch: 1.1-1.6x oneDNN's
+# GEMM (with the same quantization and epilogue) from 16 to 2,048 rows on SmolLM2's shapes.
 ONEDNN_ISAS = frozenset({"avx512_vnni", "portable"})
 SMALLEST_SCALE = 1e-10
-ISAS = {"portable": 0, "avx2": 1, "avx512_vnni": 2}
+ISAS = {"portable": 0, "avx2": 1, "avx512_vnni": 2, "amx": 3}
 
 
 @functools.cache
@@ -67,14 +68,18 @@ def kernels() -> ctypes.CDLL:
     library.srv_int8_linear.argtypes = [pointer, pointer, size, pointer]
     library.srv_int8_quantize_rows.argtypes = [pointer, size, size, pointer, pointer, size]
     library.srv_int8_scale_products.argtypes = [pointer, pointer, pointer, size, pointer]
+    library.srv_int8_has_amx.restype = ctypes.c_int
     return library
 
 
 @functools.cache
 def best_isa() -> str:
-    """The fastest kernel this CPU runs; $SRV_INT8_ISA picks another (a slower one, to test it)."""
-    return pick_isa({"avx512_vnni": ("avx512f", "avx512bw", "avx512_vnni"), "avx2": ("avx2", "fma"), "portable": ()},
-                    "SRV_INT8_ISA")
+    """The fastest kernel this CPU runs; $SRV_INT8_ISA picks another (a slower one, to test it).
+    AMX also needs the OS to lend the process its tiles, which only the kernels can ask."""
+    isa = pick_isa({"amx": ("amx_int8", "amx_tile", "avx512f", "avx512bw", "avx512_vnni"),
+                    "avx512_vnni": ("avx512f", "avx512bw", "avx512_vnni"), "avx2": ("avx2", "fma"), "portable": ()},
+                   "SRV_INT8_ISA")
+    return "avx512_vnni" if isa == "amx" and not kernels().srv_int8_has_amx() else isa
 
 
 class Int8LinearContext(ctypes.Structure):
