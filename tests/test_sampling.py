@@ -41,6 +41,20 @@ def test_greedy_is_argmax(sampler):
     assert out.logprobs is None and out.top_logprobs is None
 
 
+@pytest.mark.parametrize("rows", [1, 16, 64])
+def test_greedy_ties_take_the_first_largest_as_argmax_does(sampler, rows):
+    """Logits rounded to bf16 tie often: greedy must pick what torch.argmax (HF's greedy) picks,
+    the first of equal largest values, and a NaN before any number, at every batch size."""
+    g = torch.Generator().manual_seed(rows)
+    logits = torch.randn(rows, 49152, generator=g).bfloat16().float()
+    for r in range(rows):
+        logits[r, torch.randint(0, 49152, (4,), generator=g)] = logits[r].max() + 1
+    logits[0, [300, 40]] = float("nan")
+    out = sampler.sample(logits, make_batch([SamplingParams(temperature=0.0)] * rows))
+    assert torch.equal(out.next_token_ids, torch.argmax(logits, -1))
+    assert int(out.next_token_ids[0]) == 40
+
+
 def test_input_logits_are_not_modified(sampler):
     logits = random_logits(3)
     before = logits.clone()

