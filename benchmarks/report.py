@@ -292,7 +292,7 @@ def quantization_section(results: BenchResults) -> list[str]:
         return []
     return ["### int8 compute (w8a8_int8)", "",
             f"srv launched with `{' '.join(INT8_FLAGS)}` (int8 weights and activations, quantized from the GGUF "
-            f"file's dequantized weights at load) and with `{' '.join(FLOAT32_FLAGS)}` (dense float32), after its "
+            f"file's dequantized weights at load, served in `--dtype auto`'s dtype) and with `{' '.join(FLOAT32_FLAGS)}` (dense float32), after its "
             "default server's runs; ratios within each repetition (tok/s: above 1× int8 is faster; ms/token: "
             "below 1× int8 is faster).", "",
             *md_table(["ratio", "by repetition", "median"], rows, "lrr"), ""]

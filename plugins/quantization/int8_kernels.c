@@ -38,10 +38,20 @@ typedef struct {
     const float *scale;         /* [N] */
     const float *bias;          /* [N] or NULL */
     const int32_t *weight_sums; /* [N]: sum_k w[n][k], for isa 2 */
+    int64_t bf16_rows;          /* 1: x rounded to bf16 first, as a model served in bf16 hands its rows over */
 } Int8Linear;
 
 /* Rows of activations the AVX2 and VNNI loops keep in registers at once. */
 #define ROW_GROUP 4
+
+/* f rounded to the nearest bf16 (ties to even), as torch's cast rounds it; NaN stays NaN. */
+static float round_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    bits = isnan(f) ? (bits | 0x00400000u) & 0xFFFF0000u : (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
+    memcpy(&f, &bits, sizeof bits);
+    return f;
+}
 
 static float row_scale(float largest) { return (largest > 1e-10f ? largest : 1e-10f) / 127.0f; }
 
@@ -321,8 +331,10 @@ AMX_INT8 static inline void transpose_16x16(__m512i v[16]) {
             u[i + 2 * h + 1] = _mm512_unpackhi_epi64(t[i + h], t[i + h + 2]);
         }
     for (int c = 0; c < 4; c++) {
-        const __m512i low01 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44), high01 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);
-        const __m512i low23 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44), high23 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
+        const __m512i low01 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44);
+        const __m512i high01 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);
+        const __m512i low23 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44);
+        const __m512i high23 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
         v[c] = _mm512_shuffle_i32x4(low01, low23, 0x88);
         v[c + 4] = _mm512_shuffle_i32x4(low01, low23, 0xDD);
         v[c + 8] = _mm512_shuffle_i32x4(high01, high23, 0x88);
@@ -340,7 +352,8 @@ AMX_INT8 static void gemm_amx(const Int8Linear *c, const int8_t *q, const float 
         for (int64_t ch = 0; ch < chunks; ch++) {
             __m512i v[TILE];
             for (int r = 0; r < TILE; r++)
-                v[r] = g * TILE + r < rows ? _mm512_loadu_si512(q + (g * TILE + r) * k + ch * 64) : _mm512_setzero_si512();
+                v[r] = g * TILE + r < rows ? _mm512_loadu_si512(q + (g * TILE + r) * k + ch * 64)
+                                           : _mm512_setzero_si512();
             transpose_16x16(v);
             for (int u = 0; u < TILE; u++) _mm512_storeu_si512(qv + ((g * chunks + ch) * TILE + u) * TILE, v[u]);
         }
@@ -394,7 +407,8 @@ AMX_INT8 static void gemm_amx(const Int8Linear *c, const int8_t *q, const float 
                     transpose_16x16(v);
                     for (int64_t m = (g + h) * TILE; m < rows && m < (g + h + 1) * TILE; m++) {
                         const __m512i exact = _mm512_sub_epi32(v[m % TILE], _mm512_set1_epi32(offsets[m]));
-                        __m512 out = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(exact), _mm512_set1_ps(sx[m])), scale);
+                        const __m512 scaled = _mm512_mul_ps(_mm512_cvtepi32_ps(exact), _mm512_set1_ps(sx[m]));
+                        __m512 out = _mm512_mul_ps(scaled, scale);
                         if (c->bias) out = _mm512_add_ps(out, bias);
                         _mm512_mask_storeu_ps(y + m * n_out + n0, outputs, out);
                     }
@@ -413,7 +427,14 @@ void srv_int8_linear(const Int8Linear *c, const float *x, int64_t rows, float *y
     const int64_t k = c->in_features, n_out = c->out_features;
     int8_t *q = malloc((size_t)(rows * k) + 64);
     float *sx = malloc(sizeof(float) * (size_t)rows);
-    srv_int8_quantize_rows(x, rows, k, q, sx, c->isa);
+    if (c->bf16_rows) {
+        float *rounded = malloc(sizeof(float) * (size_t)(rows * k));
+        for (int64_t i = 0; i < rows * k; i++) rounded[i] = round_to_bf16(x[i]);
+        srv_int8_quantize_rows(rounded, rows, k, q, sx, c->isa);
+        free(rounded);
+    } else {
+        srv_int8_quantize_rows(x, rows, k, q, sx, c->isa);
+    }
     if ((c->isa == 1 && rows >= TILED_ROWS) || (c->isa == 3 && rows >= AMX_ROWS && k % 64 == 0 && srv_int8_has_amx())) {
         if (c->isa == 1)
             gemm_avx2(c, q, sx, rows, y);

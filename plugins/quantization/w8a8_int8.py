@@ -86,7 +86,7 @@ class Int8LinearContext(ctypes.Structure):
     """What srv_int8_linear reads."""
     _fields_ = [("isa", ctypes.c_int64), ("in_features", ctypes.c_int64), ("out_features", ctypes.c_int64),
                 ("weight", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("bias", ctypes.c_void_p),
-                ("weight_sums", ctypes.c_void_p)]
+                ("weight_sums", ctypes.c_void_p), ("bf16_rows", ctypes.c_int64)]
 
 
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,10 +114,14 @@ class Int8Weight:
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.weight_sums = self.q.sum(1, dtype=torch.int32)
         self.out_features, self.in_features = self.q.shape
-        self.context = Int8LinearContext(ISAS[isa], self.in_features, self.out_features, self.q.data_ptr(),
-                                         self.scale.data_ptr(), None if self.bias is None else self.bias.data_ptr(),
-                                         self.weight_sums.data_ptr())
+        bias_address = None if self.bias is None else self.bias.data_ptr()
+        self.context, self.bf16_context = (
+            Int8LinearContext(ISAS[isa], self.in_features, self.out_features, self.q.data_ptr(), self.scale.data_ptr(),
+                              bias_address, self.weight_sums.data_ptr(), bf16_rows)
+            for bf16_rows in (0, 1))
         self.kernel = NativeKernel.of(kernels().srv_int8_linear, self.context)
+        # The product of a model served in bf16: its rows rounded to bf16 first, as its forward has them.
+        self.bf16_kernel = NativeKernel.of(kernels().srv_int8_linear, self.bf16_context)
         self.isa = isa
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
@@ -167,11 +171,12 @@ class Int8LinearMethod(LinearMethod):
     def native_linear(self, layer: Linear, rows: int, dtype: torch.dtype = torch.float32) -> NativeKernel | None:
         # Where oneDNN takes larger batches, they are faster there, and the C layers cannot call it.
         small = rows < NATIVE_LAYER_ROWS or layer.int8.isa not in ONEDNN_ISAS
-        return layer.int8.kernel if small and dtype == torch.float32 else None
+        if not small:
+            return None
+        return {torch.float32: layer.int8.kernel, torch.bfloat16: layer.int8.bf16_kernel}.get(dtype)
 
 
 class W8A8Int8Quantization(QuantizationMethod):
-    activation_dtype = torch.float32   # the kernels quantize float32 rows
     # A float checkpoint's weights split across ranks before they are quantized: each rank's
     # rows get their own scales (an input-split layer's scale is its shard's), within the bound.
     tensor_parallel = True
