@@ -32,6 +32,9 @@ if TYPE_CHECKING:   # torch is imported where a kernel is called: availability c
 logger = logging.getLogger("srv.native")
 
 BASE_FLAGS = ["-O3", "-shared", "-fPIC", "-fopenmp", "-std=c11"]
+# The C headers srv.sdk gives kernels (`#include "srv_amx.h"`): this folder is on every build's
+# include path, and their text is part of every build's cache key.
+HEADERS_DIR = Path(__file__).parent
 
 
 class NativeBuildError(RuntimeError):
@@ -48,12 +51,14 @@ def cache_dir() -> Path:
 
 @functools.cache
 def load_c_library(source: Path, flags: tuple[str, ...] = ()) -> ctypes.CDLL:
-    """Compile `source` (once per machine) and load it; raises NativeBuildError."""
+    """Compile `source` (once per machine) and load it; raises NativeBuildError. srv.sdk's C
+    headers are on its include path: `#include "srv_amx.h"` for AMX's tiles."""
     cc = compiler()
     if cc is None:
         raise NativeBuildError("no C compiler found (set CC, or install cc, gcc or clang)")
-    command = [cc, *BASE_FLAGS, *flags]
-    key = hashlib.sha256("\0".join([source.read_text(), *command]).encode()).hexdigest()[:16]
+    command = [cc, *BASE_FLAGS, f"-I{HEADERS_DIR}", *flags]
+    headers = [h.read_text() for h in sorted(HEADERS_DIR.glob("*.h"))]
+    key = hashlib.sha256("\0".join([source.read_text(), *headers, *command]).encode()).hexdigest()[:16]
     target = cache_dir() / f"{source.stem}-{key}.so"
     if not target.exists():
         def build(output: Path) -> None:

@@ -17,14 +17,11 @@
  * share its thread pool and thread count.
  */
 
-#define _GNU_SOURCE   /* syscall */
-#include <cpuid.h>
+#include "srv_amx.h"
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #define GROUP 32
 /* Up to FEW_ROWS activation rows, each weight block is scaled in registers for every row
@@ -526,54 +523,16 @@ BF16 static void bf16_row(const QuantizedRows *w, int64_t i, int64_t k, float *w
  * TDPBF16PS reads its second operand in), built once a call; C, 16 outputs of 16 rows, written
  * back transposed. Tiles: 0 holds A, 1 and 2 B for two groups of x rows, 3 and 4 their C. Each
  * thread widens 16 weight rows at a time once for every 16-row group of x, two groups a pass.
- * Linux lends a process the tiles' state only when asked (arch_prctl). */
+ * srv_amx.h asks the OS for the tiles and lays them out. */
 #define AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16,avx2,fma")))
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-#define TILE 16
+#define TILE SRV_AMX_TILE
 
 static int amx_usable = -1;
 
 /* Whether this CPU has AMX-BF16 and the OS lets this process use the tiles. */
 int srv_gguf_has_amx(void) {
-    if (amx_usable < 0) {
-        unsigned a, b, c, d;
-        amx_usable = srv_gguf_has_bf16() && __get_cpuid_count(7, 0, &a, &b, &c, &d) && ((d >> 22) & 1) &&
-                     ((d >> 24) & 1) && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-    }
+    if (amx_usable < 0) amx_usable = srv_gguf_has_bf16() && srv_amx_usable(SRV_AMX_BF16);
     return amx_usable;
-}
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t bytes_per_row[16];
-    uint8_t rows[16];
-} TileConfig;
-
-/* v[i][j] = v[j][i] for 16 vectors of 16 32-bit values (the bits moved, never converted). */
-AMX static inline void transpose_16(__m512 v[16]) {
-    __m512 t[16], u[16];
-    for (int i = 0; i < 16; i += 2) {   /* 32-bit pairs of neighbouring rows */
-        t[i] = _mm512_unpacklo_ps(v[i], v[i + 1]);
-        t[i + 1] = _mm512_unpackhi_ps(v[i], v[i + 1]);
-    }
-    for (int i = 0; i < 16; i += 4) {   /* 64-bit pairs: four rows' column c, c + 4, c + 8, c + 12 */
-        for (int h = 0; h < 2; h++) {
-            const __m512d a = _mm512_castps_pd(t[i + h]), b = _mm512_castps_pd(t[i + h + 2]);
-            u[i + 2 * h] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
-            u[i + 2 * h + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
-        }
-    }
-    for (int c = 0; c < 4; c++) {   /* the 128-bit lanes of the four row groups, column by column */
-        const __m512 low01 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x44);
-        const __m512 high01 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xEE);
-        const __m512 low23 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x44);
-        const __m512 high23 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xEE);
-        v[c] = _mm512_shuffle_f32x4(low01, low23, 0x88);
-        v[c + 4] = _mm512_shuffle_f32x4(low01, low23, 0xDD);
-        v[c + 8] = _mm512_shuffle_f32x4(high01, high23, 0x88);
-        v[c + 12] = _mm512_shuffle_f32x4(high01, high23, 0xDD);
-    }
 }
 
 /* Rows [first, first + count) of `w` (its values or nibbles, scales and mins) asked into the cache. */
@@ -596,19 +555,12 @@ AMX static void matmul_amx(const QuantizedRows *w, const uint16_t *xb, int64_t m
             __m512 v[TILE];
             for (int r = 0; r < TILE; r++)
                 v[r] = g * TILE + r < m ? _mm512_loadu_ps(xb_pairs + (g * TILE + r) * pairs + p) : _mm512_setzero_ps();
-            transpose_16(v);
+            srv_transpose_16x16(v);
             for (int j = 0; j < TILE; j++) _mm512_storeu_ps(xv + (g * pairs + p + j) * TILE, v[j]);
         }
 #pragma omp parallel
     {
-        TileConfig config;
-        memset(&config, 0, sizeof config);
-        config.palette = 1;
-        for (int t = 0; t < 5; t++) {
-            config.rows[t] = TILE;
-            config.bytes_per_row[t] = 64;
-        }
-        _tile_loadconfig(&config);
+        srv_amx_configure(5);
         float *widened = malloc((size_t)k * sizeof(float));
         uint16_t *rows = calloc((size_t)(TILE * k), sizeof(uint16_t));
         float out[2][TILE][TILE] __attribute__((aligned(64)));
@@ -637,7 +589,7 @@ AMX static void matmul_amx(const QuantizedRows *w, const uint16_t *xb, int64_t m
                 for (int h = 0; h <= two; h++) {   /* out[h] holds [outputs][rows]: y wants [rows][outputs] */
                     __m512 v[TILE];
                     for (int o = 0; o < TILE; o++) v[o] = _mm512_load_ps(out[h][o]);
-                    transpose_16(v);
+                    srv_transpose_16x16(v);
                     for (int64_t r = (g + h) * TILE; r < m && r < (g + h + 1) * TILE; r++)
                         _mm512_mask_storeu_ps(y + r * n + i, outputs, v[r % TILE]);
                 }

@@ -20,16 +20,12 @@
  * Threads: OpenMP over output channels, in torch's runtime and thread count.
  */
 
-#define _GNU_SOURCE   /* syscall */
-#include <cpuid.h>
+#include "srv_amx.h"
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 typedef struct {
     int64_t isa;
@@ -290,56 +286,19 @@ void srv_int8_scale_products(const Int8Linear *c, const int32_t *acc, const floa
  * sum_k (w + 128) q, and 128 * sum_k q of each activation row is taken off: exact int32 sums,
  * the same as every other instruction set's, for any K a multiple of 64 (other shapes take the
  * VNNI product). Tiles: 0 holds the weights, 1 and 2 the activations of two groups of 16 rows,
- * 3 and 4 their sums. Linux lends a process the tiles' state only when asked (arch_prctl). */
+ * 3 and 4 their sums. */
 #define AMX_INT8 __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vnni")))
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-#define TILE 16
+#define TILE SRV_AMX_TILE
 /* Rows from which isa 3 runs a product on the tiles; fewer take VNNI's, which needs neither the
  * staged weights nor the transposes. */
 #define AMX_ROWS 4
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t bytes_per_row[16];
-    uint8_t rows[16];
-} TileConfig;
 
 static int amx_usable = -1;
 
 /* Whether this CPU has AMX-INT8 and the OS lets this process use the tiles. */
 int srv_int8_has_amx(void) {
-    if (amx_usable < 0) {
-        unsigned a, b, c, d;
-        amx_usable = __builtin_cpu_supports("avx512vnni") && __get_cpuid_count(7, 0, &a, &b, &c, &d) &&
-                     ((d >> 24) & 1) && ((d >> 25) & 1) &&
-                     syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-    }
+    if (amx_usable < 0) amx_usable = __builtin_cpu_supports("avx512vnni") && srv_amx_usable(SRV_AMX_INT8);
     return amx_usable;
-}
-
-/* v[i][j] = v[j][i] for 16 vectors of 16 32-bit values. */
-AMX_INT8 static inline void transpose_16x16(__m512i v[16]) {
-    __m512i t[16], u[16];
-    for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_epi32(v[i], v[i + 1]);
-        t[i + 1] = _mm512_unpackhi_epi32(v[i], v[i + 1]);
-    }
-    for (int i = 0; i < 16; i += 4)
-        for (int h = 0; h < 2; h++) {
-            u[i + 2 * h] = _mm512_unpacklo_epi64(t[i + h], t[i + h + 2]);
-            u[i + 2 * h + 1] = _mm512_unpackhi_epi64(t[i + h], t[i + h + 2]);
-        }
-    for (int c = 0; c < 4; c++) {
-        const __m512i low01 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44);
-        const __m512i high01 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);
-        const __m512i low23 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44);
-        const __m512i high23 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
-        v[c] = _mm512_shuffle_i32x4(low01, low23, 0x88);
-        v[c + 4] = _mm512_shuffle_i32x4(low01, low23, 0xDD);
-        v[c + 8] = _mm512_shuffle_i32x4(high01, high23, 0x88);
-        v[c + 12] = _mm512_shuffle_i32x4(high01, high23, 0xDD);
-    }
 }
 
 AMX_INT8 static void gemm_amx(const Int8Linear *c, const int8_t *q, const float *sx, int64_t rows, float *y) {
@@ -350,12 +309,11 @@ AMX_INT8 static void gemm_amx(const Int8Linear *c, const int8_t *q, const float 
     int32_t *offsets = calloc((size_t)(groups * TILE), sizeof(int32_t));
     for (int64_t g = 0; g < groups; g++)
         for (int64_t ch = 0; ch < chunks; ch++) {
-            __m512i v[TILE];
+            __m512 v[TILE];   /* four bytes a lane, moved as floats */
             for (int r = 0; r < TILE; r++)
-                v[r] = g * TILE + r < rows ? _mm512_loadu_si512(q + (g * TILE + r) * k + ch * 64)
-                                           : _mm512_setzero_si512();
-            transpose_16x16(v);
-            for (int u = 0; u < TILE; u++) _mm512_storeu_si512(qv + ((g * chunks + ch) * TILE + u) * TILE, v[u]);
+                v[r] = g * TILE + r < rows ? _mm512_loadu_ps(q + (g * TILE + r) * k + ch * 64) : _mm512_setzero_ps();
+            srv_transpose_16x16(v);
+            for (int u = 0; u < TILE; u++) _mm512_storeu_ps(qv + ((g * chunks + ch) * TILE + u) * TILE, v[u]);
         }
     for (int64_t m = 0; m < rows; m++) {
         int32_t sum = 0;
@@ -364,14 +322,7 @@ AMX_INT8 static void gemm_amx(const Int8Linear *c, const int8_t *q, const float 
     }
     #pragma omp parallel
     {
-        TileConfig config;
-        memset(&config, 0, sizeof config);
-        config.palette = 1;
-        for (int t = 0; t < 5; t++) {
-            config.rows[t] = TILE;
-            config.bytes_per_row[t] = 64;
-        }
-        _tile_loadconfig(&config);
+        srv_amx_configure(5);
         uint8_t *staged = malloc((size_t)(TILE * k));
         int32_t sums[2][TILE][TILE] __attribute__((aligned(64)));
         const __m512i sign = _mm512_set1_epi8((char)0x80);
@@ -402,11 +353,12 @@ AMX_INT8 static void gemm_amx(const Int8Linear *c, const int8_t *q, const float 
                 _tile_stored(3, sums[0], TILE * sizeof(int32_t));
                 _tile_stored(4, sums[1], TILE * sizeof(int32_t));
                 for (int h = 0; h <= two; h++) {   /* sums[h] is [outputs][rows]: y wants [rows][outputs] */
-                    __m512i v[TILE];
-                    for (int o = 0; o < TILE; o++) v[o] = _mm512_load_si512(sums[h][o]);
-                    transpose_16x16(v);
+                    __m512 v[TILE];
+                    for (int o = 0; o < TILE; o++) v[o] = _mm512_load_ps(sums[h][o]);
+                    srv_transpose_16x16(v);
                     for (int64_t m = (g + h) * TILE; m < rows && m < (g + h + 1) * TILE; m++) {
-                        const __m512i exact = _mm512_sub_epi32(v[m % TILE], _mm512_set1_epi32(offsets[m]));
+                        const __m512i sum = _mm512_castps_si512(v[m % TILE]);
+                        const __m512i exact = _mm512_sub_epi32(sum, _mm512_set1_epi32(offsets[m]));
                         const __m512 scaled = _mm512_mul_ps(_mm512_cvtepi32_ps(exact), _mm512_set1_ps(sx[m]));
                         __m512 out = _mm512_mul_ps(scaled, scale);
                         if (c->bias) out = _mm512_add_ps(out, bias);
