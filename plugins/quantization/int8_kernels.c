@@ -283,9 +283,9 @@ void srv_int8_scale_products(const Int8Linear *c, const int32_t *acc, const floa
  * they are staged for the tile (a sign-bit xor), so they are read as they lie, row by row; the
  * activations are the second, sixteen rows at a time with each four neighbouring bytes of a row
  * side by side (the layout TDPBUSD reads it in), built once a call. The tiles hold
- * sum_k (w + 128) q, and 128 * sum_k q of each activation row is taken off: exact int32 sums,
- * the same as every other instruction set's, for any K a multiple of 64 (other shapes take the
- * VNNI product). Tiles: 0 holds the weights, 1 and 2 the activations of two groups of 16 rows,
+ * sum_k (w + 128) q, and 128 * sum_k q of each activation row is taken off: exact int32 sums
+ * (up to 255 * 127 a product, so for K up to 66,000), the same as every other instruction set's,
+ * for any K a multiple of 64 (other shapes take the VNNI product). Tiles: 0 holds the weights, 1 and 2 the activations of two groups of 16 rows,
  * 3 and 4 their sums. */
 #define AMX_INT8 __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vnni")))
 #define TILE SRV_AMX_TILE
@@ -307,7 +307,8 @@ AMX_INT8 static void gemm_amx(const Int8Linear *c, const int8_t *q, const float 
      * rows past the last zero; and each row's 128 * sum_k q. */
     int32_t *qv = malloc((size_t)(groups * chunks * TILE * TILE) * sizeof(int32_t));
     int32_t *offsets = calloc((size_t)(groups * TILE), sizeof(int32_t));
-    for (int64_t g = 0; g < groups; g++)
+    #pragma omp parallel for schedule(static) if (groups > 1)
+    for (int64_t g = 0; g < groups; g++) {
         for (int64_t ch = 0; ch < chunks; ch++) {
             __m512 v[TILE];   /* four bytes a lane, moved as floats */
             for (int r = 0; r < TILE; r++)
@@ -315,10 +316,11 @@ AMX_INT8 static void gemm_amx(const Int8Linear *c, const int8_t *q, const float 
             srv_transpose_16x16(v);
             for (int u = 0; u < TILE; u++) _mm512_storeu_ps(qv + ((g * chunks + ch) * TILE + u) * TILE, v[u]);
         }
-    for (int64_t m = 0; m < rows; m++) {
-        int32_t sum = 0;
-        for (int64_t i = 0; i < k; i++) sum += q[m * k + i];
-        offsets[m] = 128 * sum;
+        for (int64_t m = g * TILE; m < rows && m < (g + 1) * TILE; m++) {
+            int32_t sum = 0;
+            for (int64_t i = 0; i < k; i++) sum += q[m * k + i];
+            offsets[m] = 128 * sum;
+        }
     }
     #pragma omp parallel
     {
