@@ -80,13 +80,13 @@ def run_once(scheduler: Any, rng: random.Random, vocab: int, batch_size: int, in
         prefill_latency += step()
         prefill_steps += 1
     decode_times: list[float] = []
-    collectives = scheduler.runner.parallel.collective_seconds
+    collectives = scheduler.runner.parallel.collective_time
     with tqdm(total=max(output_len - 1, 0), disable=disable_tqdm, unit="step",
               desc=f"decode bs={batch_size}", leave=False) as bar:
         while scheduler.has_work:
             decode_times.append(step())
             bar.update(1)
-    collectives = scheduler.runner.parallel.collective_seconds - collectives
+    collectives = scheduler.runner.parallel.collective_time - collectives
     if scheduler.stats.retractions != retractions:
         logger.warning("%d requests were retracted (KV cache full): the timings include their recomputation",
                        scheduler.stats.retractions - retractions)

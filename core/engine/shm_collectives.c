@@ -2,7 +2,10 @@
  * line of a shared segment, stored with release and read with acquire ordering, so that a rank
  * that sees another's number also sees the data that rank wrote before it. */
 #include <stdint.h>
+#include <stdio.h>
+#include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 static inline void cpu_pause(void) {
 #if defined(__x86_64__) || defined(__i386__)
@@ -47,4 +50,52 @@ int srv_shm_wait(const char *base, int64_t first, int64_t last, int64_t seq, dou
         }
     }
     return 0;
+}
+
+/* One rank's view of a group's segment, shared with SharedMemoryCollectives (which keeps `seq`
+ * in step for the collectives it runs itself). */
+typedef struct {
+    char *base;
+    int64_t rank, ranks, seq, header_bytes, slot_bytes;
+    double timeout;
+    double native_seconds;   /* spent in srv_shm_native_all_reduce */
+} ShmGroup;
+
+/* x (count floats) becomes the sum of every rank's x, in place, in pieces of a slot: each piece
+ * is written to this rank's slot of the operation's parity once every rank has read that slot's
+ * last use, then summed over the slots in rank order (every rank holds the same bits). Returns
+ * 0, or -1 when a rank did not arrive within the timeout. */
+int srv_shm_all_reduce(ShmGroup *g, float *x, int64_t count) {
+    const int64_t step = g->slot_bytes / (int64_t)sizeof(float);
+    for (int64_t start = 0; start < count; start += step) {
+        const int64_t n = count - start < step ? count - start : step;
+        g->seq += 1;
+        if (srv_shm_wait(g->base, 0, g->ranks, g->seq - 1, g->timeout) != 0) return -1;
+        const float *slots = (const float *)(g->base + g->header_bytes + (g->seq % 2) * g->ranks * g->slot_bytes);
+        const int64_t stride = g->slot_bytes / (int64_t)sizeof(float);
+        memcpy((float *)slots + g->rank * stride, x + start, (size_t)n * sizeof(float));
+        srv_shm_publish(g->base, g->rank, g->seq);
+        if (srv_shm_wait(g->base, 0, g->ranks, g->seq, g->timeout) != 0) return -1;
+        for (int64_t i = 0; i < n; i++) {
+            float sum = slots[i];
+            for (int64_t r = 1; r < g->ranks; r++) sum += slots[r * stride + i];
+            x[start + i] = sum;
+        }
+    }
+    return 0;
+}
+
+/* srv_shm_all_reduce as srv.sdk.native.NativeKernel's all-reduce, for C decode layers: a
+ * collective that fails ends the process, as it does in the Python layers (no exception can
+ * cross their C frames). */
+void srv_shm_native_all_reduce(const void *context, float *x, int64_t count) {
+    ShmGroup *g = (ShmGroup *)context;
+    const double started = seconds();
+    if (srv_shm_all_reduce(g, x, count) != 0) {
+        fprintf(stderr, "rank %ld: a shared-memory all-reduce timed out in the native decode layers; exiting\n",
+                (long)g->rank);
+        fflush(stderr);
+        _exit(1);
+    }
+    g->native_seconds += seconds() - started;
 }

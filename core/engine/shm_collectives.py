@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from srv.sdk.native import load_c_library
+from srv.sdk.native import NativeKernel, load_c_library
 from srv.sdk.parallel import CollectiveFailed
 
 # Bytes of one rank's slot for one parity: a prefill chunk's residual rows in two or three pieces.
@@ -39,7 +39,16 @@ def library() -> ctypes.CDLL:
     lib.srv_shm_publish.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
     lib.srv_shm_wait.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_double]
     lib.srv_shm_wait.restype = ctypes.c_int
+    lib.srv_shm_all_reduce.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    lib.srv_shm_all_reduce.restype = ctypes.c_int
     return lib
+
+
+class ShmGroup(ctypes.Structure):
+    """shm_collectives.c's view of the segment; `seq` is the one sequence every collective advances."""
+    _fields_ = [("base", ctypes.c_void_p), ("rank", ctypes.c_int64), ("ranks", ctypes.c_int64), ("seq", ctypes.c_int64),
+                ("header_bytes", ctypes.c_int64), ("slot_bytes", ctypes.c_int64), ("timeout", ctypes.c_double),
+                ("native_seconds", ctypes.c_double)]
 
 
 def segment_path(name: str) -> Path:
@@ -63,7 +72,22 @@ class SharedMemoryCollectives:
         self._buffer = buffer
         self._slots = [[buffer[HEADER_BYTES + (parity * ranks + r) * SLOT_BYTES:][:SLOT_BYTES] for r in range(ranks)]
                        for parity in range(2)]
-        self.seq = 0
+        self.group = ShmGroup(self._base, rank, ranks, 0, HEADER_BYTES, SLOT_BYTES, timeout, 0.0)
+        # The all-reduce of C decode layers (srv.sdk.parallel.ParallelContext.native_all_reduce).
+        self.native_all_reduce = NativeKernel.of(library().srv_shm_native_all_reduce, self.group)
+
+    @property
+    def seq(self) -> int:
+        return self.group.seq
+
+    @seq.setter
+    def seq(self, value: int) -> None:
+        self.group.seq = value
+
+    @property
+    def native_seconds(self) -> float:
+        """Seconds the C decode layers have spent in this group's all-reduce."""
+        return self.group.native_seconds
 
     @staticmethod
     def unlink(name: str) -> None:
@@ -81,25 +105,20 @@ class SharedMemoryCollectives:
 
     def _wait(self, first: int, last: int, seq: int, timeout: float) -> None:
         if library().srv_shm_wait(self._base, first, last, seq, timeout) != 0:
-            raise CollectiveFailed(f"shared-memory collective timed out: a tensor-parallel rank did not arrive within "
-                               f"{timeout:.0f} s")
+            raise self._timed_out(timeout)
+
+    @staticmethod
+    def _timed_out(timeout: float) -> CollectiveFailed:
+        return CollectiveFailed(f"shared-memory collective timed out: a tensor-parallel rank did not arrive within "
+                                f"{timeout:.0f} s")
 
     def _publish(self) -> None:
         library().srv_shm_publish(self._base, self.rank, self.seq)
 
     def all_reduce(self, x: torch.Tensor) -> None:
         """x (float32, contiguous) becomes the sum of every rank's x, in place."""
-        flat = x.view(-1)
-        step = SLOT_BYTES // 4
-        for start in range(0, flat.numel(), step):
-            piece = flat[start:start + step]
-            slots = [slot.view(torch.float32)[:piece.numel()] for slot in self._begin()]
-            slots[self.rank].copy_(piece)
-            self._publish()
-            self._wait(0, self.ranks, self.seq, self.timeout)
-            piece.copy_(slots[0])
-            for other in slots[1:]:
-                piece.add_(other)
+        if library().srv_shm_all_reduce(ctypes.addressof(self.group), x.data_ptr(), x.numel()) != 0:
+            raise self._timed_out(self.timeout)
 
     def gather(self, x: torch.Tensor) -> list[torch.Tensor] | None:
         """Every rank's x (float32 [rows, width], the same shape on every rank) on rank 0; None elsewhere."""

@@ -96,7 +96,7 @@ class NativeKernel(ctypes.Structure):
 
     With them a model runs its decode layers in one C call, where Python called every product
     and every attention (a dozen calls a layer: a third of a single-stream decode step of the
-    default model). Two kinds, each with its C signature:
+    default model). Three kinds, each with its C signature:
 
     - a linear layer's (`native_linear` of a quantized module): y [rows][out] = x [rows][in] W^T,
       float32 rows back to back:
@@ -106,7 +106,9 @@ class NativeKernel(ctypes.Structure):
       [tokens][heads * head_dim], float32; q, k and v are float32 rows, `q_stride` and `kv_stride`
       floats apart, each row's heads back to back:
       `void f(const void *context, int64_t layer, const float *q, int64_t q_stride,
-      const float *k, const float *v, int64_t kv_stride, float *out)`.
+      const float *k, const float *v, int64_t kv_stride, float *out)`;
+    - tensor-parallel ranks' all-reduce (`ParallelContext.native_all_reduce`): x, `count` float32
+      values, summed over the ranks in place: `void f(const void *context, float *x, int64_t count)`.
 
     `context` points into memory the giver keeps alive as long as the kernel may be called.
     `call_linear` and `call_decode_attention` call them from Python (the kits do).

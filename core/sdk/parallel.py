@@ -52,7 +52,8 @@ class ParallelContext:
     collective_seconds: float = 0.0
     # A faster path for ranks that share a machine (shared memory), used instead of the group's
     # collectives when set: `all_reduce(float32 tensor)` in place, `gather(tensor)` -> every
-    # rank's on rank 0.
+    # rank's on rank 0; and, where it has one, `native_all_reduce` (see that method) with the
+    # `native_seconds` spent in it.
     local: Any = None
     # --enable-dp-attention: every rank schedules its own requests; attention is not split.
     attention_data_parallel: bool = False
@@ -171,6 +172,21 @@ class ParallelContext:
     def partition_starts(self, total: int, unit: int = 1) -> list[int]:
         """Every rank's start, and `total` last: rank r holds [starts[r], starts[r + 1])."""
         return partition_starts(total, self.tp_size, unit, "tensor-parallel ranks")
+
+    def native_all_reduce(self) -> Any:
+        """The all-reduce C decode layers call without Python, or None (then `all_reduce`).
+
+        A srv.sdk.native.NativeKernel of signature `void f(const void *context, float *x, int64_t
+        count)`: x summed over the ranks in place, the same bits as `all_reduce`. None at one rank,
+        and where the ranks do not share memory."""
+        return getattr(self.local, "native_all_reduce", None) if self.is_parallel else None
+
+    @property
+    def collective_time(self) -> float:
+        """Seconds spent in collectives, the C decode layers' included.
+
+        This context's own (`collective_seconds`) and those run through `native_all_reduce`."""
+        return self.collective_seconds + getattr(self.local, "native_seconds", 0.0)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's x (the partial products of a row-parallel layer). Summed in

@@ -10,6 +10,7 @@ import ctypes
 import os
 import functools
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -83,22 +84,33 @@ def kernels() -> ctypes.CDLL | None:
     library.srv_add_rms_norm_bf16.argtypes = [pointer, pointer, size, size, pointer, ctypes.c_float, pointer]
     library.srv_rotary_bf16.argtypes = [pointer, size, size, size, size, pointer, pointer]
     library.srv_decode_layers.argtypes = [pointer, size, pointer, pointer, pointer, pointer, pointer, pointer, size,
-                                          pointer, pointer, pointer, pointer, pointer, AllReduceFunction, size]
+                                          pointer, pointer, pointer, pointer, pointer, pointer, size]
     return library
 
 
 # srv_decode_layers' all-reduce of a split layer's partial sums: (address of float32 x, count).
-AllReduceFunction = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64)
+AllReduceFunction = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)
 
 
-def native_all_reduce(parallel: ParallelContext) -> AllReduceFunction:
-    """The all-reduce srv_decode_layers calls (a null function at one rank): the context's, in
-    place. A collective that fails ends the process, as in the Python layers (an exception
-    cannot cross the C frames)."""
+@dataclass
+class NativeAllReduce:
+    """The all-reduce srv_decode_layers calls (`kernel`; None at one rank), and the Python function
+    it calls back where the ranks have no C all-reduce, kept alive as long as the kernel."""
+    kernel: NativeKernel | None
+    callback: AllReduceFunction | None = None
+
+
+def native_all_reduce(parallel: ParallelContext) -> NativeAllReduce:
+    """The context's all-reduce, in place: its C function where the ranks share memory, else a
+    call back into Python. A collective that fails ends the process, as in the Python layers (an
+    exception cannot cross the C frames)."""
     if not parallel.is_parallel:
-        return AllReduceFunction()
+        return NativeAllReduce(None)
+    native = parallel.native_all_reduce()
+    if native is not None:
+        return NativeAllReduce(native)
 
-    def all_reduce(address: int, count: int) -> None:
+    def all_reduce(context: int, address: int, count: int) -> None:
         try:
             x = torch.frombuffer((ctypes.c_float * count).from_address(address), dtype=torch.float32)
             summed = parallel.all_reduce(x)
@@ -108,7 +120,8 @@ def native_all_reduce(parallel: ParallelContext) -> AllReduceFunction:
             logger.exception("rank %d: a collective failed in the native decode layers; exiting", parallel.rank)
             os._exit(1)
 
-    return AllReduceFunction(all_reduce)
+    callback = AllReduceFunction(all_reduce)
+    return NativeAllReduce(NativeKernel(ctypes.cast(callback, ctypes.c_void_p).value, None), callback)
 
 
 class NativeDecoderLayer(ctypes.Structure):
@@ -425,10 +438,11 @@ class LlamaForCausalLM(nn.Module):
             (shapes.heads + 2 * shapes.kv_heads) * shapes.head_dim, shapes.heads * shapes.head_dim, shapes.hidden,
             2 * shapes.intermediate, shapes.intermediate)]
         cos, sin = rotary
+        reduce = self.native_all_reduce.kernel
         kernels().srv_decode_layers(ctypes.addressof(layers), len(layers), ctypes.addressof(shapes),
                                     ctypes.addressof(attention), cos.data_ptr(), sin.data_ptr(), x.data_ptr(),
                                     residual.data_ptr(), rows, *(t.data_ptr() for t in scratch),
-                                    self.native_all_reduce, int(given))
+                                    reduce if reduce is None else ctypes.addressof(reduce), int(given))
         if products != torch.float32:
             return x.to(products), residual.to(products)
         return x, residual

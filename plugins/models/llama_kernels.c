@@ -185,8 +185,9 @@ static inline void linear(const NativeKernel *kernel, const float *x, int64_t ro
 }
 
 /* Under tensor parallelism: the partial sums of a split layer's output (x, count floats) added
- * up over the ranks, in place. NULL at one rank. */
-typedef void (*AllReduceFunction)(float *x, int64_t count);
+ * up over the ranks, in place (srv.sdk.parallel.ParallelContext.native_all_reduce, or a call
+ * back into Python). No kernel at one rank. */
+typedef void (*AllReduceFunction)(const void *context, float *x, int64_t count);
 
 typedef struct {
     NativeKernel qkv, o, gate_up, down;
@@ -209,8 +210,9 @@ typedef struct {
 void srv_decode_layers(const DecoderLayer *layers, int64_t count, const LayerShapes *shape,
                        const NativeKernel *attention, const float *cos, const float *sin, float *x, float *residual,
                        int64_t rows, float *qkv, float *attended, float *normed, float *gate_up, float *activation,
-                       AllReduceFunction all_reduce, int64_t residual_given) {
+                       const NativeKernel *all_reduce, int64_t residual_given) {
     const int64_t hidden = shape->hidden, d = shape->head_dim;
+    const AllReduceFunction reduce = all_reduce ? (AllReduceFunction)all_reduce->function : NULL;
     const int64_t q_size = shape->heads * d, kv_size = shape->kv_heads * d, qkv_size = q_size + 2 * kv_size;
     const DecodeAttentionFunction attend = (DecodeAttentionFunction)attention->function;
     for (int64_t l = 0; l < count; l++) {
@@ -225,11 +227,11 @@ void srv_decode_layers(const DecoderLayer *layers, int64_t count, const LayerSha
         srv_rotary(qkv, rows, shape->heads + shape->kv_heads, d, qkv_size, cos, sin);
         attend(attention->context, l, qkv, qkv_size, qkv + q_size, qkv + q_size + kv_size, qkv_size, attended);
         linear(&layer->o, attended, rows, x);
-        if (all_reduce) all_reduce(x, rows * hidden);
+        if (reduce) reduce(all_reduce->context, x, rows * hidden);
         srv_add_rms_norm(residual, x, rows, hidden, layer->post_attention_norm, shape->eps, normed);
         linear(&layer->gate_up, normed, rows, gate_up);
         srv_silu_mul(gate_up, rows, shape->intermediate, activation);
         linear(&layer->down, activation, rows, x);
-        if (all_reduce) all_reduce(x, rows * hidden);
+        if (reduce) reduce(all_reduce->context, x, rows * hidden);
     }
 }
