@@ -88,7 +88,7 @@ def kernels() -> ctypes.CDLL | None:
     return library
 
 
-# srv_decode_layers' all-reduce of a split layer's partial sums: (address of float32 x, count).
+# srv_decode_layers' all-reduce of a split layer's partial sums: (context, address of float32 x, count).
 AllReduceFunction = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)
 
 
