@@ -77,6 +77,7 @@ class ParallelGroup:
                 for segment, _ in segments:
                     SharedMemoryCollectives.unlink(segment)
         self.children: list[subprocess.Popen] = []
+        self.watcher: threading.Thread | None = None
         self.closing = False
         self.last_sent = time.perf_counter()   # when rank 0 last sent a command
         # Ranks on other nodes are no children of this one: an idle rank 0 finds one gone only
@@ -116,7 +117,8 @@ class ParallelGroup:
                         os._exit(1)
                 time.sleep(0.2)
 
-        threading.Thread(target=watch, name="srv-tp-watch", daemon=True).start()
+        self.watcher = threading.Thread(target=watch, name="srv-tp-watch", daemon=True)
+        self.watcher.start()
 
     def close(self) -> None:
         """Rank 0: stop the other ranks."""
@@ -132,6 +134,10 @@ class ParallelGroup:
                 child.wait(10)
             except subprocess.TimeoutExpired:
                 child.kill()
+        if self.watcher is not None:
+            # Its last reference to this group must go while the interpreter lives: dropped at
+            # exit, the process group's destructor aborts the process (std::terminate).
+            self.watcher.join()
         import torch.distributed as dist
 
         # A process may form another group later (srv.Engine in tests, a reload).
