@@ -40,13 +40,17 @@ typedef struct {
 /* Rows of activations the AVX2 and VNNI loops keep in registers at once. */
 #define ROW_GROUP 4
 
-/* f rounded to the nearest bf16 (ties to even), as torch's cast rounds it; NaN stays NaN. */
-static float round_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    bits = isnan(f) ? (bits | 0x00400000u) & 0xFFFF0000u : (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
-    memcpy(&f, &bits, sizeof bits);
-    return f;
+/* x[0, count) rounded to the nearest bf16 (ties to even) into out, as torch's cast rounds them;
+ * a NaN stays a NaN. Integer operations on the bits, which the compiler vectorizes. */
+static void round_to_bf16(const float *x, int64_t count, float *out) {
+    const uint32_t *in = (const uint32_t *)x;
+    uint32_t *bits = (uint32_t *)out;
+    for (int64_t i = 0; i < count; i++) {
+        const uint32_t b = in[i];
+        const uint32_t rounded = (b + 0x7FFFu + ((b >> 16) & 1u)) & 0xFFFF0000u;
+        const uint32_t nan = (b & 0x7FFFFFFFu) > 0x7F800000u;
+        bits[i] = nan ? (b | 0x00400000u) & 0xFFFF0000u : rounded;
+    }
 }
 
 static float row_scale(float largest) { return (largest > 1e-10f ? largest : 1e-10f) / 127.0f; }
@@ -383,7 +387,7 @@ void srv_int8_linear(const Int8Linear *c, const float *x, int64_t rows, float *y
     float *sx = malloc(sizeof(float) * (size_t)rows);
     if (c->bf16_rows) {
         float *rounded = malloc(sizeof(float) * (size_t)(rows * k));
-        for (int64_t i = 0; i < rows * k; i++) rounded[i] = round_to_bf16(x[i]);
+        round_to_bf16(x, rows * k, rounded);
         srv_int8_quantize_rows(rounded, rows, k, q, sx, c->isa);
         free(rounded);
     } else {
