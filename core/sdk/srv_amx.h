@@ -76,4 +76,25 @@ __attribute__((target("avx512f"))) static inline void srv_transpose_16x16(__m512
     }
 }
 
+/* The second operand of the tiles from m rows of `row_bytes` bytes (a multiple of 64), row r at
+ * rows + r * row_bytes: out [ceil(m / 16) groups][row_bytes / 64 chunks][16 units][16 rows], each
+ * row's 4-byte units of a chunk side by side across its group's rows, rows past m zero. That is
+ * the layout TDPBF16PS and TDPBUSD read their second tile in (pairs of bf16, fours of int8). */
+__attribute__((target("avx512f"))) static inline void srv_amx_pack_rows(const void *rows, int64_t m,
+                                                                        int64_t row_bytes, uint32_t *out) {
+    const int64_t groups = (m + SRV_AMX_TILE - 1) / SRV_AMX_TILE, chunks = row_bytes / 64;
+    #pragma omp parallel for schedule(static) if (groups > 1)
+    for (int64_t g = 0; g < groups; g++)
+        for (int64_t c = 0; c < chunks; c++) {
+            __m512 v[SRV_AMX_TILE];   /* 4-byte units, moved as floats */
+            for (int r = 0; r < SRV_AMX_TILE; r++)
+                v[r] = g * SRV_AMX_TILE + r < m
+                    ? _mm512_loadu_ps((const char *)rows + (g * SRV_AMX_TILE + r) * row_bytes + c * 64)
+                    : _mm512_setzero_ps();
+            srv_transpose_16x16(v);
+            for (int u = 0; u < SRV_AMX_TILE; u++)
+                _mm512_storeu_ps(out + ((g * chunks + c) * SRV_AMX_TILE + u) * SRV_AMX_TILE, v[u]);
+        }
+}
+
 #endif

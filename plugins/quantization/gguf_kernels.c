@@ -547,17 +547,9 @@ static void prefetch_rows(const QuantizedRows *w, int64_t first, int64_t count, 
 AMX static void matmul_amx(const QuantizedRows *w, const uint16_t *xb, int64_t m, int64_t k, int64_t n, float *y) {
     const int64_t pairs = k / 2, groups = (m + TILE - 1) / TILE;
     /* xv [groups][pairs][TILE rows][2]: row r's inputs 2p and 2p + 1 as one 32-bit unit, rows
-     * past m zero; 16 rows by 16 pairs at a time, transposed. */
+     * past m zero. */
     uint32_t *xv = malloc((size_t)(groups * pairs * TILE) * sizeof(uint32_t));
-    const uint32_t *xb_pairs = (const uint32_t *)xb;
-    for (int64_t g = 0; g < groups; g++)
-        for (int64_t p = 0; p < pairs; p += TILE) {
-            __m512 v[TILE];
-            for (int r = 0; r < TILE; r++)
-                v[r] = g * TILE + r < m ? _mm512_loadu_ps(xb_pairs + (g * TILE + r) * pairs + p) : _mm512_setzero_ps();
-            srv_transpose_16x16(v);
-            for (int j = 0; j < TILE; j++) _mm512_storeu_ps(xv + (g * pairs + p + j) * TILE, v[j]);
-        }
+    srv_amx_pack_rows(xb, m, k * (int64_t)sizeof(uint16_t), xv);
 #pragma omp parallel
     {
         srv_amx_configure(5);

@@ -307,24 +307,15 @@ int srv_int8_has_amx(void) {
 
 AMX_INT8 static void gemm_amx(const Int8Linear *c, const int8_t *q, const float *sx, int64_t rows, float *y) {
     const int64_t k = c->in_features, n_out = c->out_features, chunks = k / 64, groups = (rows + TILE - 1) / TILE;
-    /* qv [groups][chunks][16 units][16 rows]: row r's bytes 4u..4u+3 of the chunk as one unit,
-     * rows past the last zero; and each row's 128 * sum_k q. */
-    int32_t *qv = malloc((size_t)(groups * chunks * TILE * TILE) * sizeof(int32_t));
-    int32_t *offsets = calloc((size_t)(groups * TILE), sizeof(int32_t));
-    #pragma omp parallel for schedule(static) if (groups > 1)
-    for (int64_t g = 0; g < groups; g++) {
-        for (int64_t ch = 0; ch < chunks; ch++) {
-            __m512 v[TILE];   /* four bytes a lane, moved as floats */
-            for (int r = 0; r < TILE; r++)
-                v[r] = g * TILE + r < rows ? _mm512_loadu_ps(q + (g * TILE + r) * k + ch * 64) : _mm512_setzero_ps();
-            srv_transpose_16x16(v);
-            for (int u = 0; u < TILE; u++) _mm512_storeu_ps(qv + ((g * chunks + ch) * TILE + u) * TILE, v[u]);
-        }
-        for (int64_t m = g * TILE; m < rows && m < (g + 1) * TILE; m++) {
-            int32_t sum = 0;
-            for (int64_t i = 0; i < k; i++) sum += q[m * k + i];
-            offsets[m] = 128 * sum;
-        }
+    /* qv [groups][chunks][16 units][16 rows]: row r's bytes 4u..4u+3 of a chunk as one unit;
+     * and each row's 128 * sum_k q. */
+    uint32_t *qv = malloc((size_t)(groups * chunks * TILE * TILE) * sizeof(uint32_t));
+    int32_t *offsets = malloc((size_t)rows * sizeof(int32_t));
+    srv_amx_pack_rows(q, rows, k, qv);
+    for (int64_t m = 0; m < rows; m++) {
+        int32_t sum = 0;
+        for (int64_t i = 0; i < k; i++) sum += q[m * k + i];
+        offsets[m] = 128 * sum;
     }
     #pragma omp parallel
     {
