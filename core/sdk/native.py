@@ -7,9 +7,14 @@
 attention) so that a model can call it from C.
 
 The shared object is cached under `kernels` in srv's cache root (`srv.sdk.paths`), or in
-$SRV_KERNEL_CACHE, keyed by the source, the flags and the compiler, so later launches load it in
-milliseconds. `-fopenmp` is always passed: a kernel's `#pragma omp parallel` runs in the OpenMP
-runtime torch has loaded, on torch's threads, with torch's thread count.
+$SRV_KERNEL_CACHE, keyed by the source, the flags, the compiler and srv.sdk's C headers, so later
+launches load it in milliseconds. `-fopenmp` is always passed: a kernel's `#pragma omp parallel`
+runs in the OpenMP runtime torch has loaded, on torch's threads, with torch's thread count.
+
+srv.sdk's C headers are on the include path. `#include "srv_amx.h"` gives a kernel AMX's tiles:
+whether the CPU has them and the OS lends them (`srv_amx_usable`), their configuration
+(`srv_amx_configure`), a 16 x 16 transpose of 32-bit values, and activation rows laid out as the
+tiles' second operand (`srv_amx_pack_rows`).
 """
 
 from __future__ import annotations
