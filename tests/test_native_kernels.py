@@ -72,7 +72,8 @@ def torch_operators(monkeypatch):
     monkeypatch.setattr(llama, "kernels", lambda: None)
 
 
-@pytest.mark.parametrize("rows, hidden", [(1, 576), (7, 100), (3, 5)])
+# 70 x 576 values: above the count from which the kernels take threads
+@pytest.mark.parametrize("rows, hidden", [(1, 576), (7, 100), (3, 5), (70, 576)])
 def test_rms_norm_kernel_matches_torch(monkeypatch, rows, hidden):
     assert llama.kernels() is not None
     norm = llama.RMSNorm(hidden, 1e-5)
@@ -87,7 +88,7 @@ def test_rms_norm_kernel_matches_torch(monkeypatch, rows, hidden):
     torch.testing.assert_close(fused, reference, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("rows, hidden", [(1, 576), (7, 100), (3, 5)])
+@pytest.mark.parametrize("rows, hidden", [(1, 576), (7, 100), (3, 5), (70, 576)])
 def test_add_rms_norm_kernel_matches_torch(monkeypatch, rows, hidden):
     norm = llama.RMSNorm(hidden, 1e-5)
     with torch.no_grad():
@@ -115,12 +116,12 @@ def test_silu_mul_kernel_matches_torch(monkeypatch, rows, size):
     torch.testing.assert_close(fused, reference, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("tokens", [5, 300])
 @pytest.mark.parametrize("heads, head_dim", [(12, 64), (3, 10)])
-def test_rotary_kernel_matches_torch(monkeypatch, heads, head_dim):
+def test_rotary_kernel_matches_torch(monkeypatch, heads, head_dim, tokens):
     assert llama.kernels() is not None
-    tokens = 5
     rotary = llama.RotaryEmbedding(head_dim, 10000.0, None)
-    cos, sin = rotary(torch.tensor([0, 3, 17, 100, 4095]))
+    cos, sin = rotary(torch.arange(tokens) * 7 % 4096)
     qkv = torch.randn(tokens, (heads + 2) * head_dim)
     fused, reference = qkv.clone(), qkv.clone()
     with torch.inference_mode():

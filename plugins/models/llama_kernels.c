@@ -1,7 +1,8 @@
 /* The Llama family's small per-layer operations on float32 rows (and bf16 ones), one call each where torch
  * runs six to eight operators of a few microseconds apiece: at one token a step those add up
- * to a fifth of the step. Plain C (the compiler vectorizes it), so no CPU feature is needed;
- * OpenMP threads (torch's runtime) only where a batch is large enough to pay for them.
+ * to a fifth of the step. Plain C, which the compiler vectorizes for each instruction set that
+ * target_clones names (the loader picks the CPU's at load), so no CPU feature is needed; OpenMP
+ * threads (torch's runtime) only where a batch is large enough to pay for them.
  * Compiled without FMA contraction: each product and sum rounds as torch's operators do.
  */
 
@@ -9,7 +10,15 @@
 #include <stdint.h>
 #include <string.h>
 
-static void rms_norm_row(const float *xr, int64_t hidden, const float *weight, float eps, float *o) {
+/* The rows' helpers are always inlined: a function with target_clones is compiled once for each
+ * instruction set, and so is what it inlines, where a helper it calls is compiled for the
+ * baseline only (SSE2 vectors). Vector width changes no value here: every sum keeps its order. */
+#define ROW_HELPER static inline __attribute__((always_inline))
+/* Values from which a call threads over rows (fewer run on the calling thread). */
+#define PARALLEL_FROM 32768
+#define CLONED __attribute__((target_clones("avx512f", "avx2", "default")))
+
+ROW_HELPER void rms_norm_row(const float *xr, int64_t hidden, const float *weight, float eps, float *o) {
     float lanes[8] = {0};
     int64_t i = 0;
     for (; i + 8 <= hidden; i += 8)
@@ -22,17 +31,23 @@ static void rms_norm_row(const float *xr, int64_t hidden, const float *weight, f
 }
 
 /* out[r] = weight * (x[r] / sqrt(mean(x[r]^2) + eps)), rows `stride` floats apart in x. */
-void srv_rms_norm(const float *x, int64_t rows, int64_t hidden, int64_t stride, const float *weight, float eps,
-                  float *out) {
+CLONED void srv_rms_norm(const float *x, int64_t rows, int64_t hidden, int64_t stride, const float *weight, float eps,
+                         float *out) {
+#pragma omp parallel for if (rows * hidden >= PARALLEL_FROM)
     for (int64_t r = 0; r < rows; r++) rms_norm_row(x + r * stride, hidden, weight, eps, out + r * hidden);
 }
 
 /* The residual stream's step: residual += delta (in place), then out = rms_norm(residual);
  * all three [rows][hidden] contiguous. */
-void srv_add_rms_norm(float *residual, const float *delta, int64_t rows, int64_t hidden, const float *weight,
-                      float eps, float *out) {
-    for (int64_t i = 0; i < rows * hidden; i++) residual[i] += delta[i];
-    srv_rms_norm(residual, rows, hidden, hidden, weight, eps, out);
+CLONED void srv_add_rms_norm(float *residual, const float *delta, int64_t rows, int64_t hidden, const float *weight,
+                             float eps, float *out) {
+#pragma omp parallel for if (rows * hidden >= PARALLEL_FROM)
+    for (int64_t r = 0; r < rows; r++) {
+        float *res = residual + r * hidden;
+        const float *d = delta + r * hidden;
+        for (int64_t i = 0; i < hidden; i++) res[i] += d[i];
+        rms_norm_row(res, hidden, weight, eps, out + r * hidden);
+    }
 }
 
 /* e^x, written so that the compiler vectorizes a loop of it (glibc's expf is a call a value,
@@ -60,8 +75,7 @@ static inline float exp_vectorizable(float x) {
 
 /* out[r][i] = silu(gate_up[r][i]) * gate_up[r][size + i]: the gated MLP's activation on the
  * fused gate/up projection's output, [rows][2 * size] contiguous. */
-__attribute__((target_clones("avx2", "default")))
-void srv_silu_mul(const float *gate_up, int64_t rows, int64_t size, float *out) {
+CLONED void srv_silu_mul(const float *gate_up, int64_t rows, int64_t size, float *out) {
 #pragma omp parallel for if (rows * size >= 8192)
     for (int64_t r = 0; r < rows; r++) {
         const float *gate = gate_up + r * 2 * size, *up = gate + size;
@@ -72,9 +86,10 @@ void srv_silu_mul(const float *gate_up, int64_t rows, int64_t size, float *out) 
 
 /* Rotary embedding, rotate-half style, in place, of `heads` heads of size d per token: x
  * [T][heads][d] with tokens `stride` floats apart; cos, sin [T][d]. */
-void srv_rotary(float *x, int64_t tokens, int64_t heads, int64_t d, int64_t stride, const float *cos,
-                const float *sin) {
+CLONED void srv_rotary(float *x, int64_t tokens, int64_t heads, int64_t d, int64_t stride, const float *cos,
+                       const float *sin) {
     const int64_t half = d / 2;
+#pragma omp parallel for if (tokens * heads * d >= PARALLEL_FROM)
     for (int64_t t = 0; t < tokens; t++) {
         const float *c = cos + t * d, *s = sin + t * d;
         for (int64_t h = 0; h < heads; h++) {
@@ -111,9 +126,7 @@ static inline uint16_t to_bf16(float f) {
     return (uint16_t)(f != f ? quiet : rounded);
 }
 
-#define BF16_PARALLEL_FROM 32768   /* values: fewer run on the calling thread */
-
-static void rms_norm_row_bf16(const uint16_t *xr, int64_t hidden, const uint16_t *weight, float eps, uint16_t *o) {
+ROW_HELPER void rms_norm_row_bf16(const uint16_t *xr, int64_t hidden, const uint16_t *weight, float eps, uint16_t *o) {
     float lanes[8] = {0};
     int64_t i = 0;
     for (; i + 8 <= hidden; i += 8)
@@ -127,18 +140,16 @@ static void rms_norm_row_bf16(const uint16_t *xr, int64_t hidden, const uint16_t
 }
 
 /* srv_rms_norm on bf16 rows with a bf16 weight. */
-__attribute__((target_clones("avx512f", "avx2", "default")))
-void srv_rms_norm_bf16(const uint16_t *x, int64_t rows, int64_t hidden, int64_t stride, const uint16_t *weight,
+CLONED void srv_rms_norm_bf16(const uint16_t *x, int64_t rows, int64_t hidden, int64_t stride, const uint16_t *weight,
                        float eps, uint16_t *out) {
-#pragma omp parallel for if (rows * hidden >= BF16_PARALLEL_FROM)
+#pragma omp parallel for if (rows * hidden >= PARALLEL_FROM)
     for (int64_t r = 0; r < rows; r++) rms_norm_row_bf16(x + r * stride, hidden, weight, eps, out + r * hidden);
 }
 
 /* srv_add_rms_norm on bf16 rows: the sum rounded to bf16 into residual, then its norm. */
-__attribute__((target_clones("avx512f", "avx2", "default")))
-void srv_add_rms_norm_bf16(uint16_t *residual, const uint16_t *delta, int64_t rows, int64_t hidden,
+CLONED void srv_add_rms_norm_bf16(uint16_t *residual, const uint16_t *delta, int64_t rows, int64_t hidden,
                            const uint16_t *weight, float eps, uint16_t *out) {
-#pragma omp parallel for if (rows * hidden >= BF16_PARALLEL_FROM)
+#pragma omp parallel for if (rows * hidden >= PARALLEL_FROM)
     for (int64_t r = 0; r < rows; r++) {
         uint16_t *res = residual + r * hidden;
         const uint16_t *d = delta + r * hidden;
@@ -149,11 +160,10 @@ void srv_add_rms_norm_bf16(uint16_t *residual, const uint16_t *delta, int64_t ro
 
 /* srv_rotary on bf16 rows: float32 products and sum (torch promotes bf16 rows times float32
  * cos and sin), rounded to bf16 once. */
-__attribute__((target_clones("avx512f", "avx2", "default")))
-void srv_rotary_bf16(uint16_t *x, int64_t tokens, int64_t heads, int64_t d, int64_t stride, const float *cos,
+CLONED void srv_rotary_bf16(uint16_t *x, int64_t tokens, int64_t heads, int64_t d, int64_t stride, const float *cos,
                      const float *sin) {
     const int64_t half = d / 2;
-#pragma omp parallel for if (tokens * heads * d >= BF16_PARALLEL_FROM)
+#pragma omp parallel for if (tokens * heads * d >= PARALLEL_FROM)
     for (int64_t t = 0; t < tokens; t++) {
         const float *c = cos + t * d, *s = sin + t * d;
         for (int64_t h = 0; h < heads; h++) {
