@@ -301,16 +301,30 @@ class Scheduler:
 
     def _reserve(self, req: Req, new_len: int) -> None:
         """Give `req` cache slots for its first `new_len` tokens (whole pages)."""
+        self._reserve_all([(req, new_len)])
+
+    def _reserve_all(self, wanted: list[tuple[Req, int]]) -> None:
+        """Give each (request, length) cache slots for the request's first `length` tokens (whole
+        pages): all of them, or none and OutOfKVMemory. One table write for the lot, where a
+        decode step used to make four tensor operations a request."""
         page = self.allocator.page_size
-        needed_pages = -(-new_len // page) - req.allocated // page
-        if needed_pages <= 0:
+        needs = [(req, pages) for req, new_len in wanted if (pages := -(-new_len // page) - req.allocated // page) > 0]
+        total = sum(pages for _, pages in needs)
+        if not total:
             return
-        if not self._make_room(needed_pages * page):
+        if not self._make_room(total * page):
             raise OutOfKVMemory
-        pages = torch.tensor(self.allocator.allocate_pages(needed_pages))
+        pages = torch.tensor(self.allocator.allocate_pages(total))
+        rows: list[int] = []
+        columns: list[int] = []
+        for req, count in needs:
+            count *= page
+            rows += [req.row] * count
+            columns += range(req.allocated, req.allocated + count)
+            req.allocated += count
+        # page-major, as `needs` lists the requests: slot k is column k's
         slots = (pages[:, None] * page + torch.arange(page)[None, :]).flatten()
-        self.req_pool.table[req.row, req.allocated: req.allocated + slots.numel()] = slots
-        req.allocated += slots.numel()
+        self.req_pool.table[torch.tensor(rows), torch.tensor(columns)] = slots
 
     def _admit(self, req: Req) -> None:
         """Give a waiting request a table row and its cached prefix."""
@@ -513,8 +527,7 @@ class Scheduler:
         budgets = {id(r): self.worker.draft_budget(r) for r in decoding}
         while decoding:
             try:
-                for req in decoding:
-                    self._reserve(req, req.kv_len + 1 + budgets[id(req)])
+                self._reserve_all([(req, req.kv_len + 1 + budgets[id(req)]) for req in decoding])
                 break
             except OutOfKVMemory:
                 if any(budgets.values()):
