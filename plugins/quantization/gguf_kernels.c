@@ -289,7 +289,7 @@ AVX512 INLINE void q4_1_row_512(const float *x, int64_t k, const uint8_t *nibble
  * both, and each row of x has four independent accumulator chains instead of two, which keeps
  * more FMAs in flight for products of two to four rows. Each output sums in q4_1_row_512's
  * order, so its bits are the same. (One body taking the count of outputs as a constant, for
- * both, compiled slower at one and two rows; Q8_0's rows, read from memory, gained nothing.) */
+ * both, compiled slower from one to four rows; Q8_0's rows, read from memory, gained nothing.) */
 AVX512 INLINE void q4_1_two_rows_512(const float *x, int64_t k, const uint8_t *nibbles, int64_t row_bytes,
                                      const float *scale, const float *min, float *y, int64_t n, const int rows) {
     const int64_t blocks = k / GROUP;
