@@ -141,14 +141,14 @@ ROW_HELPER void rms_norm_row_bf16(const uint16_t *xr, int64_t hidden, const uint
 
 /* srv_rms_norm on bf16 rows with a bf16 weight. */
 CLONED void srv_rms_norm_bf16(const uint16_t *x, int64_t rows, int64_t hidden, int64_t stride, const uint16_t *weight,
-                       float eps, uint16_t *out) {
+                              float eps, uint16_t *out) {
 #pragma omp parallel for if (rows * hidden >= PARALLEL_FROM)
     for (int64_t r = 0; r < rows; r++) rms_norm_row_bf16(x + r * stride, hidden, weight, eps, out + r * hidden);
 }
 
 /* srv_add_rms_norm on bf16 rows: the sum rounded to bf16 into residual, then its norm. */
 CLONED void srv_add_rms_norm_bf16(uint16_t *residual, const uint16_t *delta, int64_t rows, int64_t hidden,
-                           const uint16_t *weight, float eps, uint16_t *out) {
+                                  const uint16_t *weight, float eps, uint16_t *out) {
 #pragma omp parallel for if (rows * hidden >= PARALLEL_FROM)
     for (int64_t r = 0; r < rows; r++) {
         uint16_t *res = residual + r * hidden;
@@ -161,7 +161,7 @@ CLONED void srv_add_rms_norm_bf16(uint16_t *residual, const uint16_t *delta, int
 /* srv_rotary on bf16 rows: float32 products and sum (torch promotes bf16 rows times float32
  * cos and sin), rounded to bf16 once. */
 CLONED void srv_rotary_bf16(uint16_t *x, int64_t tokens, int64_t heads, int64_t d, int64_t stride, const float *cos,
-                     const float *sin) {
+                            const float *sin) {
     const int64_t half = d / 2;
 #pragma omp parallel for if (tokens * heads * d >= PARALLEL_FROM)
     for (int64_t t = 0; t < tokens; t++) {
