@@ -61,18 +61,25 @@ typedef struct {
     double native_seconds;   /* spent in srv_shm_native_all_reduce */
 } ShmGroup;
 
+/* The next operation: its number taken, once every rank has finished the last one, which read
+ * the slots of this one's parity (seq % 2). Every collective of the group starts here, those
+ * SharedMemoryCollectives runs in Python included. Returns 0, or -1 when a rank did not arrive
+ * within the timeout. */
+int srv_shm_begin(ShmGroup *g) {
+    g->seq += 1;
+    return srv_shm_wait(g->base, 0, g->ranks, g->seq - 1, g->timeout);
+}
+
 /* x (count floats) becomes the sum of every rank's x, in place, in pieces of a slot: each piece
- * is written to this rank's slot of the operation's parity once every rank has read that slot's
- * last use, then summed over the slots in rank order (every rank holds the same bits). Returns
- * 0, or -1 when a rank did not arrive within the timeout. */
+ * is written to this rank's slot of the operation's parity, then summed over the slots in rank
+ * order (every rank holds the same bits). Returns 0, or -1 when a rank did not arrive within the
+ * timeout. */
 int srv_shm_all_reduce(ShmGroup *g, float *x, int64_t count) {
-    const int64_t step = g->slot_bytes / (int64_t)sizeof(float);
-    for (int64_t start = 0; start < count; start += step) {
-        const int64_t n = count - start < step ? count - start : step;
-        g->seq += 1;
-        if (srv_shm_wait(g->base, 0, g->ranks, g->seq - 1, g->timeout) != 0) return -1;
+    const int64_t stride = g->slot_bytes / (int64_t)sizeof(float);   /* floats a slot */
+    for (int64_t start = 0; start < count; start += stride) {
+        const int64_t n = count - start < stride ? count - start : stride;
+        if (srv_shm_begin(g) != 0) return -1;
         const float *slots = (const float *)(g->base + g->header_bytes + (g->seq % 2) * g->ranks * g->slot_bytes);
-        const int64_t stride = g->slot_bytes / (int64_t)sizeof(float);
         memcpy((float *)slots + g->rank * stride, x + start, (size_t)n * sizeof(float));
         srv_shm_publish(g->base, g->rank, g->seq);
         if (srv_shm_wait(g->base, 0, g->ranks, g->seq, g->timeout) != 0) return -1;

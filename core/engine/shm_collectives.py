@@ -39,6 +39,8 @@ def library() -> ctypes.CDLL:
     lib.srv_shm_publish.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
     lib.srv_shm_wait.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_double]
     lib.srv_shm_wait.restype = ctypes.c_int
+    lib.srv_shm_begin.argtypes = [ctypes.c_void_p]
+    lib.srv_shm_begin.restype = ctypes.c_int
     lib.srv_shm_all_reduce.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
     lib.srv_shm_all_reduce.restype = ctypes.c_int
     return lib
@@ -80,10 +82,6 @@ class SharedMemoryCollectives:
     def seq(self) -> int:
         return self.group.seq
 
-    @seq.setter
-    def seq(self, value: int) -> None:
-        self.group.seq = value
-
     @property
     def native_seconds(self) -> float:
         """Seconds the C decode layers have spent in this group's all-reduce."""
@@ -99,8 +97,8 @@ class SharedMemoryCollectives:
 
     def _begin(self) -> list[torch.Tensor]:
         """The slots of the next operation, once every rank has finished reading their last use."""
-        self.seq += 1
-        self._wait(0, self.ranks, self.seq - 1, self.timeout)
+        if library().srv_shm_begin(ctypes.addressof(self.group)) != 0:
+            raise self._timed_out(self.timeout)
         return self._slots[self.seq % 2]
 
     def _wait(self, first: int, last: int, seq: int, timeout: float) -> None:

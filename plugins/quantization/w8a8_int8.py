@@ -52,8 +52,8 @@ logger = logging.getLogger("srv.quantization")
 NATIVE_ROWS = 12
 NATIVE_LAYER_ROWS = 32
 # The instruction sets whose batches from NATIVE_ROWS rows go to oneDNN (see above): VNNI's, and
-# the portable one, where no kernel here is fast. AMX's tiles take every batch: 1.1-1.6x oneDNN's
-# GEMM (with the same quantization and epilogue) from 16 to 2,048 rows on SmolLM2's shapes.
+# the portable one, where no kernel here is fast. AMX's tiles take every batch: they beat oneDNN's
+# GEMM (with the same quantization and epilogue) at every batch size measured (BENCHMARKS.md).
 ONEDNN_ISAS = frozenset({"avx512_vnni", "portable"})
 SMALLEST_SCALE = 1e-10
 ISAS = {"portable": 0, "avx2": 1, "avx512_vnni": 2, "amx": 3}
