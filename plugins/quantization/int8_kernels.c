@@ -289,8 +289,8 @@ void srv_int8_scale_products(const Int8Linear *c, const int32_t *acc, const floa
  * side by side (the layout TDPBUSD reads it in), built once a call. The tiles hold
  * sum_k (w + 128) q, and 128 * sum_k q of each activation row is taken off: exact int32 sums
  * (up to 255 * 127 a product, so for K up to 66,000), the same as every other instruction set's,
- * for any K a multiple of 64 (other shapes take the VNNI product). Tiles: 0 holds the weights, 1 and 2 the activations of two groups of 16 rows,
- * 3 and 4 their sums. */
+ * for any K a multiple of 64 (other shapes take the VNNI product). Tiles: 0 holds the weights,
+ * 1 and 2 the activations of two groups of 16 rows, 3 and 4 their sums. */
 #define AMX_INT8 __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vnni")))
 #define TILE SRV_AMX_TILE
 /* Rows from which isa 3 runs a product on the tiles; fewer take VNNI's, which needs neither the
