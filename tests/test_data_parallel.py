@@ -10,6 +10,7 @@ import time
 import httpx
 import pytest
 
+from srv.engine.errors import InvalidRequest
 from srv.engine.io import AbortRequest, ControlRequest, ControlResult, GenerateRequest, RequestOutput
 from srv.sdk.sampling import SamplingParams
 from srv.server.data_parallel import DataParallelRouter
@@ -106,6 +107,19 @@ def test_sessions_stay_on_their_group_and_aborts_reach_the_owner():
                                                                    "AbortRequest:unknown"]
 
 
+def test_a_routed_rank_picks_the_group_unless_its_session_is_held_by_another():
+    r, sent = router("round_robin", 3)
+    named = GenerateRequest("named", [3, 4], SamplingParams(max_new_tokens=8), dp_rank=2)
+    r.send(named)
+    r.send(request("next", 4))   # the router's own turn is not used up by a routed request
+    r.send(GenerateRequest("turn", [3], SamplingParams(), session_id="chat", dp_rank=1))
+    r.send(request("turn2", 4, session="chat"))   # the session stays where its first turn went
+    assert [[m.rid for m in box] for box in sent] == [["next"], ["turn", "turn2"], ["named"]]
+    with pytest.raises(InvalidRequest, match="session 'chat' is held by data-parallel rank 1, not 0"):
+        r.send(GenerateRequest("elsewhere", [3], SamplingParams(), session_id="chat", dp_rank=0))
+    assert r.assigned == [1, 2, 1]
+
+
 def test_control_calls_reach_every_group_and_their_replies_merge():
     r, sent = router("round_robin")
     r.send(ControlRequest(7, "status"))
@@ -156,6 +170,18 @@ def test_dp2_server_gives_each_request_its_output_alone_and_spreads_them_round_r
         assert groups[0]["prompt_tokens"] > 0 and groups[1]["prompt_tokens"] > 0
         assert status["prompt_tokens"] == sum(g["prompt_tokens"] for g in groups)
         assert status["generated_tokens"] == sum(g["generated_tokens"] for g in groups)
+        # Routed by the caller: the header (SGLang's and vLLM's) and /generate's field.
+        for rank in ("1", "1", "0"):
+            reply = httpx.post(f"{server.base}/v1/completions", headers={"X-Data-Parallel-Rank": rank}, timeout=120,
+                               json={"prompt": "Hi", "max_tokens": 12, "temperature": 0, "ignore_eos": True})
+            assert reply.status_code == 200, reply.text
+        reply = httpx.post(f"{server.base}/generate", timeout=120, json={
+            "text": "Hi", "routed_dp_rank": 1, "sampling_params": {"max_new_tokens": 12, "ignore_eos": True}})
+        assert reply.status_code == 200, reply.text
+        reply = httpx.post(f"{server.base}/generate", json={"text": "Hi", "routed_dp_rank": 2}, timeout=120)
+        assert reply.status_code == 400 and "ranks 0 to 1" in reply.json()["error"]["message"]
+        routed = server.scheduler_status()["data_parallel_groups"]
+        assert [g["generated_tokens"] for g in routed] == [5 * 12, 7 * 12]
         # --enable-metrics-for-all-schedulers: each group's gauges, labelled with its rank.
         metrics = httpx.get(f"{server.base}/metrics", timeout=30).text
         for rank in ("0", "1"):

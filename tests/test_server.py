@@ -233,6 +233,9 @@ def test_32_concurrent_requests_equal_their_sequential_outputs(client):
     ("/v1/completions", {"model": MODEL, "prompt": "word " * 9000}, 400, None),
     ("/generate", {"text": "hi", "sampling_params": {"nonsense": 1}}, 400, "sampling_params"),
     ("/generate", {"input_ids": [-1, 2]}, 400, "input_ids"),
+    ("/generate", {"text": "hi", "routed_dp_rank": 1}, 400, "routed_dp_rank"),   # one group: rank 0 only
+    ("/generate", {"text": "hi", "data_parallel_rank": -1}, 400, "data_parallel_rank"),
+    ("/generate", {"text": "hi", "routed_dp_rank": 0, "data_parallel_rank": 1}, 400, "routed_dp_rank"),
 ])
 def test_bad_input_gets_an_openai_error_and_the_server_keeps_serving(server, client, path, body, status, param):
     response = post(server, path, body)
@@ -241,6 +244,16 @@ def test_bad_input_gets_an_openai_error_and_the_server_keeps_serving(server, cli
     assert set(error) == {"message", "type", "param", "code"} and error["code"] == status and error["message"]
     assert error["param"] == param
     assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices
+
+
+@pytest.mark.parametrize("rank, status, param", [("0", 200, None), ("1", 400, "routed_dp_rank"),
+                                                ("first", 400, "X-Data-Parallel-Rank")])
+def test_the_data_parallel_rank_header_names_a_group_that_exists(server, rank, status, param):
+    response = httpx.post(f"{server.base}/v1/completions", headers={**AUTH, "X-Data-Parallel-Rank": rank},
+                          json={"model": MODEL, "prompt": "hi", "max_tokens": 2}, timeout=120)
+    assert response.status_code == status, response.text
+    if status != 200:
+        assert response.json()["error"]["param"] == param
 
 
 def test_api_key_is_required_except_for_health(server):

@@ -227,17 +227,30 @@ class Frontend:
             raise QueueFull(f"{len(self._not_started)} requests are queued and this one adds {count} "
                             f"(--max-queued-requests {limit})")
 
+    def _check_dp_rank(self, dp_rank: int | None) -> None:
+        groups = self.args.data_parallel_size
+        if dp_rank is not None and not 0 <= dp_rank < groups:
+            raise InvalidRequest(f"data-parallel rank {dp_rank} does not exist: the server runs {groups} "
+                                 f"data-parallel group{'s' if groups > 1 else ''} (ranks 0 to {groups - 1})",
+                                 "routed_dp_rank")
+
     def _submit(self, input_ids: list[int], params: SamplingParams, priority: int | None,
                 rid: str | None = None, labels: dict[str, str] | None = None,
-                session: SessionParams | None = None, token_type_ids: list[int] | None = None) -> RequestState:
+                session: SessionParams | None = None, token_type_ids: list[int] | None = None,
+                dp_rank: int | None = None) -> RequestState:
         if rid is not None and rid in self._queues:
             raise InvalidRequest(f"a request with rid {rid!r} is already running", "rid")
         state = RequestState(rid or uuid.uuid4().hex, input_ids, params, self.tokenizer, labels)
         state.session = session
         self._queues[state.rid] = asyncio.Queue()
         self._not_started.add(state.rid)
-        self.send(GenerateRequest(state.rid, input_ids, params, priority or 0, session.id if session else None,
-                                  token_type_ids))
+        try:
+            self.send(GenerateRequest(state.rid, input_ids, params, priority or 0, session.id if session else None,
+                                      token_type_ids, dp_rank))
+        except InvalidRequest:   # the data-parallel router's: a rank other than the session's
+            del self._queues[state.rid]
+            self._not_started.discard(state.rid)
+            raise
         return state
 
     async def _follow(self, state: RequestState, interval: int = 1) -> AsyncIterator[RequestState]:
@@ -280,13 +293,15 @@ class Frontend:
     async def submit(self, prompts: list[str | None], input_ids: list[list[int] | None],
                      raw_params: list[RawParams], priority: int | None = None,
                      labels: dict[str, str] | None = None, rid: str | None = None,
-                     session: SessionParams | None = None) -> list[list[RequestState]]:
+                     session: SessionParams | None = None, dp_rank: int | None = None) -> list[list[RequestState]]:
         """Queue every prompt, n choices each; returns their states as they start. Each choice
         is a request of its own, with a seed of its own when the prompt has one (the choices are
         independent samples, the same again for the same seed). The prompt of an n > 1 request is
         prefilled once first, so its choices find it in the prefix cache. Either every request of
         the call is queued or none is; the caller follows them (`follow`) or `release`s them.
-        With `session`, the one prompt is a turn of that session (srv.engine.sessions)."""
+        With `session`, the one prompt is a turn of that session (srv.engine.sessions); with
+        `dp_rank`, every request goes to that data-parallel group."""
+        self._check_dp_rank(dp_rank)
         input_ids = await self.tokenize_together(prompts, input_ids)
         if session is not None:
             if len(prompts) != 1:
@@ -300,7 +315,7 @@ class Frontend:
         self._check_can_submit(priority, choices + sum(params.n > 1 and params.logprob_start_len < 0
                                                        for _, params in prepared))
         # (Not when the choices want the prompt's log-probabilities: each computes its prompt.)
-        warmups = [self._submit(ids, replace(params, max_new_tokens=0, n=1), priority, labels=labels)
+        warmups = [self._submit(ids, replace(params, max_new_tokens=0, n=1), priority, labels=labels, dp_rank=dp_rank)
                    for ids, params in prepared if params.n > 1 and params.logprob_start_len < 0]
         await asyncio.gather(*(self._finish(warmup) for warmup in warmups))
         groups, index = [], 0
@@ -309,7 +324,7 @@ class Frontend:
             for i in range(params.n):
                 own_rid = rid if rid is None or choices == 1 else f"{rid}_{index}"
                 group.append(self._submit(ids, replace(params, n=1, seed=choice_seed(params.seed, i)), priority,
-                                          own_rid, labels, session))
+                                          own_rid, labels, session, dp_rank=dp_rank))
                 index += 1
             groups.append(group)
         return groups
@@ -393,11 +408,11 @@ class Frontend:
 
     async def stream(self, prompt: str | None, input_ids: list[int] | None, raw_params: RawParams,
                      priority: int | None = None, interval: int = 1, rid: str | None = None,
-                     labels: dict[str, str] | None = None,
-                     session: SessionParams | None = None) -> AsyncIterator[RequestState]:
+                     labels: dict[str, str] | None = None, session: SessionParams | None = None,
+                     dp_rank: int | None = None) -> AsyncIterator[RequestState]:
         """One request (n = 1), its state after each update. Checks run before the first yield."""
         [[state]] = await self.submit([prompt], [input_ids], [_one_choice(raw_params)], priority, labels, rid,
-                                      session)
+                                      session, dp_rank)
         return self._follow(state, interval)
 
     async def generate(self, prompts: list[str | None], input_ids: list[list[int] | None],

@@ -20,6 +20,7 @@ class GenerateRequest:
     priority: int = 0
     session_id: str | None = None   # the session whose latest turn this is (its KV stays cached)
     token_type_ids: list[int] | None = None   # segment of each token: a cross-encoder's text pair
+    dp_rank: int | None = None   # the data-parallel group the caller routed it to (else the router picks)
 
 
 @dataclass

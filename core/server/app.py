@@ -78,6 +78,25 @@ class ServerContext:
         """Custom metric labels the request carries in its header (only the allowed ones)."""
         return self.metrics.labels_from_headers(request.headers) if self.metrics is not None else None
 
+    @staticmethod
+    def dp_rank(request: Request, given: int | None = None) -> int | None:
+        """The data-parallel group the caller routed the request to: `given` (a body field), or
+        the X-Data-Parallel-Rank header, which SGLang and vLLM read; None lets the router pick."""
+        header = request.headers.get(DP_RANK_HEADER)
+        if header is None:
+            return given
+        try:
+            rank = int(header)
+        except ValueError:
+            raise InvalidRequest(f"the {DP_RANK_HEADER} header must be a data-parallel rank (an integer), not "
+                                 f"{header!r}", DP_RANK_HEADER) from None
+        if given is not None and given != rank:
+            raise InvalidRequest(f"the body routes the request to data-parallel rank {given} and the "
+                                 f"{DP_RANK_HEADER} header to {rank}", DP_RANK_HEADER)
+        return rank
+
+
+DP_RANK_HEADER = "X-Data-Parallel-Rank"
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                405: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",

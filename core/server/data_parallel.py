@@ -1,7 +1,9 @@
 """Data parallelism (`--data-parallel-size` N): N scheduler processes, each with the whole model
 and its own KV memory, behind one front end. The router picks a group for each request by
-`--load-balance-method`, and sends the requests that name a session to the group that holds it;
-control calls go to every group, and their replies are merged into one.
+`--load-balance-method`, sends the requests that name a session to the group that holds it, and
+those a caller routed itself (SGLang's `routed_dp_rank`, the `X-Data-Parallel-Rank` header that
+SGLang and vLLM read) to the group they name; control calls go to every group, and their replies
+are merged into one.
 
     round_robin     groups in turn
     shortest_queue  the group with the fewest requests in flight
@@ -19,6 +21,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from srv.engine.errors import InvalidRequest
 from srv.engine.io import AbortRequest, ControlRequest, ControlResult, GenerateRequest, RequestOutput
 
 logger = logging.getLogger("srv.data_parallel")
@@ -69,11 +72,9 @@ class DataParallelRouter:
 
     def send(self, message: Any) -> None:
         if isinstance(message, GenerateRequest):
-            group = self._sessions.get(message.session_id) if message.session_id else None
-            if group is None:
-                group = self._choose()
-                if message.session_id:
-                    self._sessions[message.session_id] = group
+            group = self._group_of(message)
+            if message.session_id:
+                self._sessions[message.session_id] = group
             self._requests[message.rid] = group
             self._in_flight[group] += 1
             self._loads[group].sent_since += len(message.input_ids)
@@ -92,6 +93,19 @@ class DataParallelRouter:
         else:
             for send in self.sends:
                 send(message)
+
+    def _group_of(self, message: GenerateRequest) -> int:
+        """The group a request goes to: its session's, else the one it names (the front end checked
+        that it exists), else the method's choice. Raises InvalidRequest for a rank other than its
+        session's."""
+        held = self._sessions.get(message.session_id) if message.session_id else None
+        named = message.dp_rank
+        if named is not None and held is not None and named != held:
+            raise InvalidRequest(f"session {message.session_id!r} is held by data-parallel rank {held}, "
+                                 f"not {named}", "routed_dp_rank")
+        if held is not None:
+            return held
+        return named if named is not None else self._choose()
 
     def _choose(self) -> int:
         if self.method == "round_robin":

@@ -110,7 +110,7 @@ class NativeRoutes:
         if session is not None and batched:
             raise APIError("a session's turn is one prompt", param="session_params")
         groups = await frontend.submit(texts, idss, params, body.priority, self.context.labels(request), body.rid,
-                                       session)
+                                       session, self.context.dp_rank(request, body.routed_rank()))
         single = not batched and len(groups[0]) == 1
         if body.stream:
             return self._stream(groups, body, single)

@@ -203,7 +203,8 @@ class OpenAIRoutes:
         if body.echo and body.logprobs is not None:   # OpenAI's legacy API: the prompt's log-probabilities too
             params["logprob_start_len"] = 0
         groups = await self.context.frontend.submit(prompts, ids, [params] * len(prompts),
-                                                    labels=self.context.labels(request))
+                                                    labels=self.context.labels(request),
+                                                    dp_rank=self.context.dp_rank(request))
         prompt_of = [prompt for prompt, group in zip(prompts, groups) for _ in group]
         offsets: dict[int, int] = {}
 
@@ -277,7 +278,8 @@ class OpenAIRoutes:
                 raise APIError("a required or named tool_choice cannot be combined with response_format, json_schema, "
                                "regex or ebnf", param="tool_choice")
             params["json_schema"] = json.dumps(tool_schema)
-        groups = await self.context.frontend.submit([prompt], [None], [params], labels=self.context.labels(request))
+        groups = await self.context.frontend.submit([prompt], [None], [params], labels=self.context.labels(request),
+                                                    dp_rank=self.context.dp_rank(request))
         streams: dict[int, ToolCallStream] = {}
         calling: dict[int, ToolCalling] = {}
         reasoning = self.context.reasoning_parser if body.separate_reasoning else None

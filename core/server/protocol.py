@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from srv.engine.errors import InvalidRequest
 from srv.engine.params import (MAX_TOKEN_IDS_LOGPROB, NonEmptyStr, SamplingParamsInput, SharedSamplingFields,
                                StrictInput, TokenCount, TokenId, TopLogprobs)
 
@@ -178,6 +179,18 @@ class GenerateRequest(StrictInput):
     return_hidden_states: bool | None = None   # with --enable-return-hidden-states
     custom_logit_processor: str | None = None  # with --enable-custom-logit-processor
     lora_path: NonEmptyStr | None = None       # a LoRA adapter's name (--lora-paths)
+    # The data-parallel group to run it on (else --load-balance-method picks); SGLang's older
+    # name for the same field is data_parallel_rank.
+    routed_dp_rank: Annotated[int, Field(ge=0)] | None = None
+    data_parallel_rank: Annotated[int, Field(ge=0)] | None = None
+
+    def routed_rank(self) -> int | None:
+        """The rank either field names; a 400 where they name two."""
+        given = {rank for rank in (self.routed_dp_rank, self.data_parallel_rank) if rank is not None}
+        if len(given) > 1:
+            raise InvalidRequest("routed_dp_rank and data_parallel_rank name different data-parallel ranks",
+                                 "routed_dp_rank")
+        return given.pop() if given else None
 
 
 class AbortRequestBody(StrictInput):

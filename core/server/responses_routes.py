@@ -193,7 +193,8 @@ class ResponsesRoutes:
         tool_schema = tools.json_schema() if tools is not None else None
         if tool_schema is not None:
             params["json_schema"] = json.dumps(tool_schema)
-        [[state]] = await self.context.frontend.submit([prompt], [None], [params], labels=self.context.labels(request))
+        [[state]] = await self.context.frontend.submit([prompt], [None], [params], labels=self.context.labels(request),
+                                                       dp_rank=self.context.dp_rank(request))
         response = self._response(body, "in_progress")
         if body.stream:
             return self._stream(body, response, state, tools, messages)
