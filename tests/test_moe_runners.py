@@ -7,9 +7,8 @@ import pytest
 import torch
 
 import srv.plugins.moe.fused_cpu as fused_cpu
-from srv.sdk.moe import Routing, select_experts
+from srv.sdk.moe import ExpertWeights, Routing, select_experts
 from srv.sdk.testing import MoERunnerKit
-from srv.sdk.testing.moe import random_experts
 
 
 class TestTorchRunner(MoERunnerKit):
@@ -34,18 +33,34 @@ class TestFusedCPURunnerInC(MoERunnerKit):
         pass
 
 
+def experts_of_size(generator: torch.Generator, dtype, hidden: int, inter: int) -> ExpertWeights:
+    w13 = torch.randn(8, 2 * inter, hidden, generator=generator) * 0.2
+    w2 = torch.randn(8, hidden, inter, generator=generator) * 0.2
+    if dtype != "int8":
+        return ExpertWeights(w13.to(dtype), w2.to(dtype), 0, 8)
+    scales = [w.abs().amax(-1) / 127 for w in (w13, w2)]
+    q13, q2 = ((w / s[..., None]).round().to(torch.int8) for w, s in zip((w13, w2), scales))
+    return ExpertWeights(q13, q2, 0, 8, "silu", *scales)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "int8"])
-def test_portable_kernels_match_the_vectorised_ones(dtype, c_only):
+@pytest.mark.parametrize("tokens, hidden, inter", [(37, 64, 48), (3, 45, 37)])   # 45, 37: no whole vectors
+def test_every_instruction_sets_kernels_give_the_same_products(dtype, tokens, hidden, inter, c_only):
     generator = torch.Generator().manual_seed(0)
-    experts = random_experts(generator, 8, 0, 8, dtype)
-    x = torch.randn(37, 64, generator=generator)
+    experts = experts_of_size(generator, dtype, hidden, inter)
+    x = torch.randn(tokens, hidden, generator=generator)
     x = x if dtype == "int8" else x.to(dtype)
-    weights, ids = select_experts(torch.randn(37, 8, generator=generator), Routing(2))
+    weights, ids = select_experts(torch.randn(tokens, 8, generator=generator), Routing(2))
     runner = fused_cpu.FusedCPURunner()
-    best = runner.run(x, weights, ids, experts)
+    outputs = {}
     try:
-        fused_cpu.set_isa("portable")
-        portable = runner.run(x, weights, ids, experts)
+        for isa, level in fused_cpu.ISAS.items():   # each this CPU runs
+            if level > fused_cpu.kernels().srv_moe_best_isa():
+                continue
+            fused_cpu.set_isa(isa)
+            outputs[isa] = runner.run(x, weights, ids, experts).float()
     finally:
         fused_cpu.set_isa(None)
-    assert (portable.float() - best.float()).abs().max() <= 1e-5 * best.float().abs().max()
+    reference = outputs["portable"]
+    for isa, out in outputs.items():
+        assert (out - reference).abs().max() <= 1e-5 * reference.abs().max(), isa

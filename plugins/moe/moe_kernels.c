@@ -9,8 +9,9 @@
  * scale per output row; activations and sums are float32.
  *
  * The dot products are compiled three times (AVX-512, AVX2+FMA, portable) and picked at run time
- * from the CPU's flags; srv_moe_set_isa forces one (the tests check the portable one).
+ * from the CPU's flags; srv_moe_set_isa forces one (the tests check each against the others).
  */
+#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -36,11 +37,12 @@ static inline float bf16_to_float(uint16_t v) {
     return c.f;
 }
 
-/* y[r * y_stride] = w . x[r] for the n rows of x (each `len` long, `len` apart), four rows at a
- * time so that each weight value loaded serves four products. */
-#define DOT_ROWS_OF(TYPE, NAME, SUFFIX, ATTR, LOAD)                                                       \
-    ATTR static void NAME##_##SUFFIX(const TYPE *w, const float *x, int64_t n, int64_t len, float *y,     \
-                                     int64_t y_stride) {                                                 \
+/* y[r * y_stride] = w . x[r] for the n rows of x (each `len` long, `len` apart): what every
+ * instruction set computes. The portable one, four rows at a time so that each weight value
+ * loaded serves four products, is left to the compiler's vectorizer. */
+#define DOT_ROWS_OF(TYPE, NAME, LOAD)                                                                     \
+    static void NAME##_portable(const TYPE *w, const float *x, int64_t n, int64_t len, float *y,          \
+                                int64_t y_stride) {                                                      \
         int64_t r = 0;                                                                                   \
         for (; r + 4 <= n; r += 4) {                                                                     \
             const float *x0 = x + r * len, *x1 = x0 + len, *x2 = x1 + len, *x3 = x2 + len;               \
@@ -60,20 +62,129 @@ static inline float bf16_to_float(uint16_t v) {
         }                                                                                                \
     }
 #define AS_FLOAT(v) ((float)(v))
-#define DOT_ROWS(SUFFIX, ATTR)                                         \
-    DOT_ROWS_OF(float, dots_f32, SUFFIX, ATTR, AS_FLOAT)              \
-    DOT_ROWS_OF(uint16_t, dots_bf16, SUFFIX, ATTR, bf16_to_float)     \
-    DOT_ROWS_OF(int8_t, dots_i8, SUFFIX, ATTR, AS_FLOAT)
+DOT_ROWS_OF(float, dots_f32, AS_FLOAT)
+DOT_ROWS_OF(uint16_t, dots_bf16, bf16_to_float)
+DOT_ROWS_OF(int8_t, dots_i8, AS_FLOAT)
 
-DOT_ROWS(portable, )
-DOT_ROWS(avx2, __attribute__((target("avx2,fma"))))
-DOT_ROWS(avx512, __attribute__((target("avx512f,avx512bw"))))
+/* The vector bodies, in intrinsics: a group of up to four rows of x reads each weight vector
+ * once, each row sums in two independent accumulators (even and odd vectors), and each sum is
+ * reduced in registers once a weight row. (The vectorizer's versions of the loops above
+ * reduced through the stack, one lane at a time, which cost as much as the products at these
+ * lengths, and re-read the weight row for every row past a multiple of four.) */
+#define INLINE static inline __attribute__((always_inline))
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,fma")))
+#define AVX2 __attribute__((target("avx2,fma")))
+
+/* Sixteen weights from w as float32, the lanes past `mask` zero. */
+AVX512 INLINE __m512 widen16_f32(const float *w, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, w); }
+AVX512 INLINE __m512 widen16_bf16(const uint16_t *w, __mmask16 mask) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, w)), 16));
+}
+AVX512 INLINE __m512 widen16_i8(const int8_t *w, __mmask16 mask) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, w)));
+}
+
+/* Eight weights from w as float32. */
+AVX2 INLINE __m256 widen8_f32(const float *w) { return _mm256_loadu_ps(w); }
+AVX2 INLINE __m256 widen8_bf16(const uint16_t *w) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)w)), 16));
+}
+AVX2 INLINE __m256 widen8_i8(const int8_t *w) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)w)));
+}
+
+AVX2 INLINE float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* `rows` (1..4, a constant where inlined) rows of x against one weight row. */
+#define GROUP_512(TYPE, SUFFIX)                                                                            \
+    AVX512 INLINE void group_##SUFFIX##_512(const TYPE *w, const float *x, int64_t len, float *y,         \
+                                             int64_t y_stride, const int rows) {                          \
+        __m512 even[4], odd[4];                                                                           \
+        for (int r = 0; r < rows; r++) even[r] = odd[r] = _mm512_setzero_ps();                            \
+        int64_t i = 0;                                                                                    \
+        for (; i + 32 <= len; i += 32) {                                                                  \
+            const __m512 w0 = widen16_##SUFFIX(w + i, 0xFFFF), w1 = widen16_##SUFFIX(w + i + 16, 0xFFFF); \
+            for (int r = 0; r < rows; r++) {                                                              \
+                even[r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + r * len + i), even[r]);                 \
+                odd[r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + r * len + i + 16), odd[r]);              \
+            }                                                                                             \
+        }                                                                                                 \
+        for (; i < len; i += 16) {                                                                        \
+            const __mmask16 mask = len - i >= 16 ? 0xFFFF : (__mmask16)((1u << (len - i)) - 1);           \
+            const __m512 w0 = widen16_##SUFFIX(w + i, mask);                                              \
+            for (int r = 0; r < rows; r++)                                                                \
+                even[r] = _mm512_fmadd_ps(w0, _mm512_maskz_loadu_ps(mask, x + r * len + i), even[r]);     \
+        }                                                                                                 \
+        for (int r = 0; r < rows; r++) y[r * y_stride] = _mm512_reduce_add_ps(_mm512_add_ps(even[r], odd[r])); \
+    }
+
+#define GROUP_AVX2(TYPE, SUFFIX)                                                                           \
+    AVX2 INLINE void group_##SUFFIX##_avx2(const TYPE *w, const float *x, int64_t len, float *y,          \
+                                            int64_t y_stride, const int rows) {                           \
+        __m256 even[4], odd[4];                                                                           \
+        for (int r = 0; r < rows; r++) even[r] = odd[r] = _mm256_setzero_ps();                            \
+        int64_t i = 0;                                                                                    \
+        for (; i + 16 <= len; i += 16) {                                                                  \
+            const __m256 w0 = widen8_##SUFFIX(w + i), w1 = widen8_##SUFFIX(w + i + 8);                    \
+            for (int r = 0; r < rows; r++) {                                                              \
+                even[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + r * len + i), even[r]);                 \
+                odd[r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + r * len + i + 8), odd[r]);               \
+            }                                                                                             \
+        }                                                                                                 \
+        for (; i + 8 <= len; i += 8) {                                                                    \
+            const __m256 w0 = widen8_##SUFFIX(w + i);                                                     \
+            for (int r = 0; r < rows; r++) even[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + r * len + i), even[r]); \
+        }                                                                                                 \
+        for (int r = 0; r < rows; r++) {                                                                  \
+            float sum = hsum8(_mm256_add_ps(even[r], odd[r]));                                            \
+            for (int64_t t = i; t < len; t++) sum += (float)AS_WEIGHT_##SUFFIX(w[t]) * x[r * len + t];    \
+            y[r * y_stride] = sum;                                                                        \
+        }                                                                                                 \
+    }
+#define AS_WEIGHT_f32(v) (v)
+#define AS_WEIGHT_bf16(v) bf16_to_float(v)
+#define AS_WEIGHT_i8(v) ((float)(v))
+
+/* Every row of x in groups of four, the last group one of three, two or one. */
+#define DOTS_VECTOR(TYPE, SUFFIX, ISA, ATTR)                                                               \
+    ATTR static void dots_##SUFFIX##_##ISA(const TYPE *w, const float *x, int64_t n, int64_t len, float *y, \
+                                           int64_t y_stride) {                                            \
+        int64_t r = 0;                                                                                    \
+        for (; r + 4 <= n; r += 4) group_##SUFFIX##_##ISA(w, x + r * len, len, y + r * y_stride, y_stride, 4); \
+        const float *xr = x + r * len;                                                                    \
+        float *yr = y + r * y_stride;                                                                     \
+        switch (n - r) {                                                                                  \
+        case 3: group_##SUFFIX##_##ISA(w, xr, len, yr, y_stride, 3); break;                               \
+        case 2: group_##SUFFIX##_##ISA(w, xr, len, yr, y_stride, 2); break;                               \
+        case 1: group_##SUFFIX##_##ISA(w, xr, len, yr, y_stride, 1); break;                               \
+        default: break;                                                                                   \
+        }                                                                                                 \
+    }
+
+GROUP_512(float, f32)
+GROUP_512(uint16_t, bf16)
+GROUP_512(int8_t, i8)
+GROUP_AVX2(float, f32)
+GROUP_AVX2(uint16_t, bf16)
+GROUP_AVX2(int8_t, i8)
+DOTS_VECTOR(float, f32, 512, AVX512)
+DOTS_VECTOR(uint16_t, bf16, 512, AVX512)
+DOTS_VECTOR(int8_t, i8, 512, AVX512)
+DOTS_VECTOR(float, f32, avx2, AVX2)
+DOTS_VECTOR(uint16_t, bf16, avx2, AVX2)
+DOTS_VECTOR(int8_t, i8, avx2, AVX2)
 
 static int isa = -1;
 
 int srv_moe_best_isa(void) {
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")) return ISA_AVX512;
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl"))
+        return ISA_AVX512;
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return ISA_AVX2;
     return ISA_PORTABLE;
 }
@@ -86,23 +197,37 @@ static void dots(int64_t type, const void *w, int64_t row, const float *x, int64
     if (isa < 0) isa = srv_moe_best_isa();
     if (type == WEIGHT_F32) {
         const float *r = (const float *)w + row * len;
-        if (isa == ISA_AVX512) dots_f32_avx512(r, x, n, len, y, y_stride);
+        if (isa == ISA_AVX512) dots_f32_512(r, x, n, len, y, y_stride);
         else if (isa == ISA_AVX2) dots_f32_avx2(r, x, n, len, y, y_stride);
         else dots_f32_portable(r, x, n, len, y, y_stride);
     } else if (type == WEIGHT_BF16) {
         const uint16_t *r = (const uint16_t *)w + row * len;
-        if (isa == ISA_AVX512) dots_bf16_avx512(r, x, n, len, y, y_stride);
+        if (isa == ISA_AVX512) dots_bf16_512(r, x, n, len, y, y_stride);
         else if (isa == ISA_AVX2) dots_bf16_avx2(r, x, n, len, y, y_stride);
         else dots_bf16_portable(r, x, n, len, y, y_stride);
     } else {
         const int8_t *r = (const int8_t *)w + row * len;
-        if (isa == ISA_AVX512) dots_i8_avx512(r, x, n, len, y, y_stride);
+        if (isa == ISA_AVX512) dots_i8_512(r, x, n, len, y, y_stride);
         else if (isa == ISA_AVX2) dots_i8_avx2(r, x, n, len, y, y_stride);
         else dots_i8_portable(r, x, n, len, y, y_stride);
     }
 }
 
-#define BLOCK_ROWS 16   /* weight rows an item: enough items to share, few enough to keep each cheap */
+/* While a weight row is computed, the next one is asked for: an item starts a new stream, too
+ * short for the hardware prefetchers to run ahead of before it ends (-DPREFETCH_ROWS=N compiles
+ * another distance; 0 turns it off). */
+#ifndef PREFETCH_ROWS
+#define PREFETCH_ROWS 1
+#endif
+static inline void prefetch_row(int64_t type, const void *w, int64_t row, int64_t len) {
+    const int64_t size = type == WEIGHT_F32 ? 4 : (type == WEIGHT_BF16 ? 2 : 1);
+    const char *start = (const char *)w + row * len * size;
+    for (int64_t offset = 0; offset < len * size; offset += 64) __builtin_prefetch(start + offset);
+}
+
+/* Weight rows an item: enough items to share between the threads, each a stream long enough
+ * to read at the memory's pace (16 rows read slower). */
+#define BLOCK_ROWS 64
 
 /* Products of every (expert, block of `rows` weight rows) item: out_rows[r][j] = W_e[j] . in[r]. */
 static void expert_products(const MoEArgs *a, const void *w, const float *scale, int64_t rows, int64_t len,
@@ -118,6 +243,7 @@ static void expert_products(const MoEArgs *a, const void *w, const float *scale,
         const float *x = in + offsets[e] * len;
         float *y = out + offsets[e] * rows;
         for (int64_t j = first; j < last; j++) {
+            if (PREFETCH_ROWS > 0 && j + PREFETCH_ROWS < rows) prefetch_row(a->weight_type, w, e * rows + j + PREFETCH_ROWS, len);
             dots(a->weight_type, w, e * rows + j, x, n, len, y + j, rows);
             if (scale) {
                 float s = scale[e * rows + j];
