@@ -37,6 +37,11 @@ static inline float bf16_to_float(uint16_t v) {
     return c.f;
 }
 
+/* A weight of each type as float32. */
+#define AS_WEIGHT_f32(v) (v)
+#define AS_WEIGHT_bf16(v) bf16_to_float(v)
+#define AS_WEIGHT_i8(v) ((float)(v))
+
 /* y[r * y_stride] = w . x[r] for the n rows of x (each `len` long, `len` apart): what every
  * instruction set computes. The portable one, four rows at a time so that each weight value
  * loaded serves four products, is left to the compiler's vectorizer. */
@@ -61,10 +66,9 @@ static inline float bf16_to_float(uint16_t v) {
             y[r * y_stride] = acc;                                                                       \
         }                                                                                                \
     }
-#define AS_FLOAT(v) ((float)(v))
-DOT_ROWS_OF(float, dots_f32, AS_FLOAT)
-DOT_ROWS_OF(uint16_t, dots_bf16, bf16_to_float)
-DOT_ROWS_OF(int8_t, dots_i8, AS_FLOAT)
+DOT_ROWS_OF(float, dots_f32, AS_WEIGHT_f32)
+DOT_ROWS_OF(uint16_t, dots_bf16, AS_WEIGHT_bf16)
+DOT_ROWS_OF(int8_t, dots_i8, AS_WEIGHT_i8)
 
 /* The vector bodies, in intrinsics: a group of up to four rows of x reads each weight vector
  * once, each row sums in two independent accumulators (even and odd vectors), and each sum is
@@ -72,86 +76,74 @@ DOT_ROWS_OF(int8_t, dots_i8, AS_FLOAT)
  * reduced through the stack, one lane at a time, which cost as much as the products at these
  * lengths, and re-read the weight row for every row past a multiple of four.) */
 #define INLINE static inline __attribute__((always_inline))
-#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,fma")))
+#define AVX512 __attribute__((target("avx512f,avx512bw,fma")))
 #define AVX2 __attribute__((target("avx2,fma")))
 
-/* Sixteen weights from w as float32, the lanes past `mask` zero. */
-AVX512 INLINE __m512 widen16_f32(const float *w, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, w); }
-AVX512 INLINE __m512 widen16_bf16(const uint16_t *w, __mmask16 mask) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, w)), 16));
+/* Each instruction set's vector (vec_ISA, LANES_ISA floats) and the operations the group body
+ * below uses: zero, load floats, multiply-add, sum the lanes, and widen LANES weights of each
+ * type to float32. */
+typedef __m512 vec_512;
+typedef __m256 vec_avx2;
+#define LANES_512 16
+#define LANES_avx2 8
+AVX512 INLINE __m512 zero_512(void) { return _mm512_setzero_ps(); }
+AVX512 INLINE __m512 load_512(const float *x) { return _mm512_loadu_ps(x); }
+AVX512 INLINE __m512 fma_512(__m512 a, __m512 b, __m512 c) { return _mm512_fmadd_ps(a, b, c); }
+AVX512 INLINE float sum_512(__m512 a, __m512 b) { return _mm512_reduce_add_ps(_mm512_add_ps(a, b)); }
+AVX512 INLINE __m512 widen_f32_512(const float *w) { return _mm512_loadu_ps(w); }
+AVX512 INLINE __m512 widen_bf16_512(const uint16_t *w) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)w)), 16));
 }
-AVX512 INLINE __m512 widen16_i8(const int8_t *w, __mmask16 mask) {
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, w)));
+AVX512 INLINE __m512 widen_i8_512(const int8_t *w) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)w)));
 }
-
-/* Eight weights from w as float32. */
-AVX2 INLINE __m256 widen8_f32(const float *w) { return _mm256_loadu_ps(w); }
-AVX2 INLINE __m256 widen8_bf16(const uint16_t *w) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)w)), 16));
-}
-AVX2 INLINE __m256 widen8_i8(const int8_t *w) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)w)));
-}
-
-AVX2 INLINE float hsum8(__m256 v) {
+AVX2 INLINE __m256 zero_avx2(void) { return _mm256_setzero_ps(); }
+AVX2 INLINE __m256 load_avx2(const float *x) { return _mm256_loadu_ps(x); }
+AVX2 INLINE __m256 fma_avx2(__m256 a, __m256 b, __m256 c) { return _mm256_fmadd_ps(a, b, c); }
+AVX2 INLINE float sum_avx2(__m256 a, __m256 b) {
+    const __m256 v = _mm256_add_ps(a, b);
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
-
-/* `rows` (1..4, a constant where inlined) rows of x against one weight row. */
-#define GROUP_512(TYPE, SUFFIX)                                                                            \
-    AVX512 INLINE void group_##SUFFIX##_512(const TYPE *w, const float *x, int64_t len, float *y,         \
-                                             int64_t y_stride, const int rows) {                          \
-        __m512 even[4], odd[4];                                                                           \
-        for (int r = 0; r < rows; r++) even[r] = odd[r] = _mm512_setzero_ps();                            \
-        int64_t i = 0;                                                                                    \
-        for (; i + 32 <= len; i += 32) {                                                                  \
-            const __m512 w0 = widen16_##SUFFIX(w + i, 0xFFFF), w1 = widen16_##SUFFIX(w + i + 16, 0xFFFF); \
-            for (int r = 0; r < rows; r++) {                                                              \
-                even[r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + r * len + i), even[r]);                 \
-                odd[r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + r * len + i + 16), odd[r]);              \
-            }                                                                                             \
-        }                                                                                                 \
-        for (; i < len; i += 16) {                                                                        \
-            const __mmask16 mask = len - i >= 16 ? 0xFFFF : (__mmask16)((1u << (len - i)) - 1);           \
-            const __m512 w0 = widen16_##SUFFIX(w + i, mask);                                              \
-            for (int r = 0; r < rows; r++)                                                                \
-                even[r] = _mm512_fmadd_ps(w0, _mm512_maskz_loadu_ps(mask, x + r * len + i), even[r]);     \
-        }                                                                                                 \
-        for (int r = 0; r < rows; r++) y[r * y_stride] = _mm512_reduce_add_ps(_mm512_add_ps(even[r], odd[r])); \
-    }
-
-#define GROUP_AVX2(TYPE, SUFFIX)                                                                           \
-    AVX2 INLINE void group_##SUFFIX##_avx2(const TYPE *w, const float *x, int64_t len, float *y,          \
+AVX2 INLINE __m256 widen_f32_avx2(const float *w) { return _mm256_loadu_ps(w); }
+AVX2 INLINE __m256 widen_bf16_avx2(const uint16_t *w) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)w)), 16));
+}
+AVX2 INLINE __m256 widen_i8_avx2(const int8_t *w) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)w)));
+}
+/* `rows` (1..4, a constant where inlined) rows of x against one weight row; the weights past
+ * the last whole vector are summed one by one. */
+#define GROUP(TYPE, SUFFIX, ISA, ATTR)                                                                     \
+    ATTR INLINE void group_##SUFFIX##_##ISA(const TYPE *w, const float *x, int64_t len, float *y,         \
                                             int64_t y_stride, const int rows) {                           \
-        __m256 even[4], odd[4];                                                                           \
-        for (int r = 0; r < rows; r++) even[r] = odd[r] = _mm256_setzero_ps();                            \
+        const int64_t lanes = LANES_##ISA;                                                                \
+        vec_##ISA even[4], odd[4];                                                                        \
+        for (int r = 0; r < rows; r++) even[r] = odd[r] = zero_##ISA();                                   \
         int64_t i = 0;                                                                                    \
-        for (; i + 16 <= len; i += 16) {                                                                  \
-            const __m256 w0 = widen8_##SUFFIX(w + i), w1 = widen8_##SUFFIX(w + i + 8);                    \
+        for (; i + 2 * lanes <= len; i += 2 * lanes) {                                                    \
+            const vec_##ISA w0 = widen_##SUFFIX##_##ISA(w + i), w1 = widen_##SUFFIX##_##ISA(w + i + lanes); \
             for (int r = 0; r < rows; r++) {                                                              \
-                even[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + r * len + i), even[r]);                 \
-                odd[r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + r * len + i + 8), odd[r]);               \
+                even[r] = fma_##ISA(w0, load_##ISA(x + r * len + i), even[r]);                            \
+                odd[r] = fma_##ISA(w1, load_##ISA(x + r * len + i + lanes), odd[r]);                      \
             }                                                                                             \
         }                                                                                                 \
-        for (; i + 8 <= len; i += 8) {                                                                    \
-            const __m256 w0 = widen8_##SUFFIX(w + i);                                                     \
-            for (int r = 0; r < rows; r++) even[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + r * len + i), even[r]); \
+        for (; i + lanes <= len; i += lanes) {                                                            \
+            const vec_##ISA w0 = widen_##SUFFIX##_##ISA(w + i);                                           \
+            for (int r = 0; r < rows; r++) even[r] = fma_##ISA(w0, load_##ISA(x + r * len + i), even[r]); \
         }                                                                                                 \
         for (int r = 0; r < rows; r++) {                                                                  \
-            float sum = hsum8(_mm256_add_ps(even[r], odd[r]));                                            \
+            float sum = sum_##ISA(even[r], odd[r]);                                                       \
             for (int64_t t = i; t < len; t++) sum += (float)AS_WEIGHT_##SUFFIX(w[t]) * x[r * len + t];    \
             y[r * y_stride] = sum;                                                                        \
         }                                                                                                 \
     }
-#define AS_WEIGHT_f32(v) (v)
-#define AS_WEIGHT_bf16(v) bf16_to_float(v)
-#define AS_WEIGHT_i8(v) ((float)(v))
 
 /* Every row of x in groups of four, the last group one of three, two or one. */
 #define DOTS_VECTOR(TYPE, SUFFIX, ISA, ATTR)                                                               \
+    GROUP(TYPE, SUFFIX, ISA, ATTR)                                                                         \
     ATTR static void dots_##SUFFIX##_##ISA(const TYPE *w, const float *x, int64_t n, int64_t len, float *y, \
                                            int64_t y_stride) {                                            \
         int64_t r = 0;                                                                                    \
@@ -166,25 +158,19 @@ AVX2 INLINE float hsum8(__m256 v) {
         }                                                                                                 \
     }
 
-GROUP_512(float, f32)
-GROUP_512(uint16_t, bf16)
-GROUP_512(int8_t, i8)
-GROUP_AVX2(float, f32)
-GROUP_AVX2(uint16_t, bf16)
-GROUP_AVX2(int8_t, i8)
-DOTS_VECTOR(float, f32, 512, AVX512)
-DOTS_VECTOR(uint16_t, bf16, 512, AVX512)
-DOTS_VECTOR(int8_t, i8, 512, AVX512)
-DOTS_VECTOR(float, f32, avx2, AVX2)
-DOTS_VECTOR(uint16_t, bf16, avx2, AVX2)
-DOTS_VECTOR(int8_t, i8, avx2, AVX2)
+/* dots_TYPE_ISA for each weight type. */
+#define DOTS_OF_ISA(ISA, ATTR)                                                                             \
+    DOTS_VECTOR(float, f32, ISA, ATTR)                                                                     \
+    DOTS_VECTOR(uint16_t, bf16, ISA, ATTR)                                                                 \
+    DOTS_VECTOR(int8_t, i8, ISA, ATTR)
+DOTS_OF_ISA(512, AVX512)
+DOTS_OF_ISA(avx2, AVX2)
 
 static int isa = -1;
 
 int srv_moe_best_isa(void) {
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl"))
-        return ISA_AVX512;
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")) return ISA_AVX512;
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return ISA_AVX2;
     return ISA_PORTABLE;
 }
