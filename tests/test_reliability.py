@@ -30,7 +30,7 @@ from srv.engine.scheduler_loop import SchedulerLoop
 from srv.plugin_manager import load_plugins
 from srv.sdk.sampling import SamplingParams
 from storm import broke, hostile_bodies
-from test_server import MODEL, Server
+from test_server import MODEL, Server, free_port
 
 API_KEY = "storm-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -472,3 +472,16 @@ def test_a_fault_the_scheduler_cannot_absorb_ends_the_server_at_once(fake_dists,
     assert server.process.wait(timeout=30) != 0
     assert time.monotonic() - started < 30
     assert "NaN in the logits" in "".join(server.output)
+
+
+def test_a_scheduler_that_dies_while_warming_up_is_not_served(fake_dists, monkeypatch):
+    """The warm-up request kills the scheduler (--crash-on-nan): the server exits non-zero instead
+    of listening with a dead scheduler behind it."""
+    fake_dists.add("srv-nan", {"nan": "nan_plugin"}, {"nan_plugin": NAN_ATTENTION})
+    monkeypatch.setenv("PYTHONPATH", fake_dists.env["PYTHONPATH"])
+    launch = subprocess.run([sys.executable, "-m", "srv", "launch", "--port", str(free_port()), "--dtype", "float32",
+                             "--attention-backend", "nan", "--crash-on-nan", "true"],
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=180)
+    output = launch.stdout + launch.stderr
+    assert launch.returncode != 0 and "exiting: the scheduler process died" in output, output[-3000:]
+    assert "serving " not in output and "Uvicorn running" not in output

@@ -149,6 +149,18 @@ def test_default_model_pp2_keeps_its_gguf_blocks_and_matches_hf(default_model_di
         assert any(layers is not None and len(layers) == 15 for layers in engine.runner.model.native_layers.values())
 
 
+def test_default_model_pp2_in_bf16_gives_the_tokens_of_pp1():
+    # A bf16 model's few-row decode steps run the C layers in float32, so the stages hand each
+    # other those rows in float32, as the unsplit model keeps them between its layers (the second
+    # stage once expected bf16, and the collective failed at the first decode step).
+    prompts = random_prompts(3)
+    with srv.Engine(dtype="bfloat16") as engine:
+        alone = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+    with srv.Engine(dtype="bfloat16", pp_size=2) as engine:
+        staged = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+    assert [r["output_ids"] for r in staged] == [r["output_ids"] for r in alone]
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--tp-size", "2", "--lora-paths", "a=/nowhere"], "--enable-lora with --tensor-parallel-size > 1"),
     (["--tp-size", "2", "--speculative-algorithm", "NGRAM"], "--speculative-algorithm with --tensor-parallel-size"),

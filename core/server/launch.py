@@ -20,6 +20,7 @@ from srv.plugin_manager import PluginManager
 from srv.sdk.tools import ToolCallParser
 from srv.server.app import ServerContext, build_app
 from srv.engine.diagnostics import install_gc_warning
+from srv.engine.frontend import EngineDead
 from srv.server.metrics import ServerMetrics
 from srv.server.tracing import RequestTracer
 from srv.server.request_log import RequestLog
@@ -96,19 +97,22 @@ async def _serve(args: Namespace, manager: PluginManager, registry: BackendRegis
             logger.info("ran the %d token ids of %s (--debug-tensor-dump-input-file); exiting", len(ids),
                         args.debug_tensor_dump_input_file)
             return 0
-        if not args.skip_server_warmup:
-            # One token through the whole path, so the first user request pays no one-time costs.
-            await frontend.probe()
-        if warmup_names(args):
-            await run_warmups(args, registry, FrontendWarmupClient(frontend, ready.model_info["chunked_prefill_size"],
-                                                                   ready.model_info["max_running_requests"]))
+        try:
+            if not args.skip_server_warmup:
+                # One token through the whole path, so the first user request pays no one-time costs.
+                await frontend.probe()
+            if warmup_names(args):
+                await run_warmups(args, registry, FrontendWarmupClient(frontend, ready.model_info["chunked_prefill_size"],
+                                                                       ready.model_info["max_running_requests"]))
+        except EngineDead:
+            pass   # the scheduler died during the warm-up: on_death has the reason, and the server ends below
         if args.delete_ckpt_after_loading:
             delete_checkpoint(args.model_path)
         frontend.observers += [o.observe for o in (metrics, tracer, log) if o is not None]
         config = uvicorn.Config(build_app(context, manager.routes()), host=args.host, port=args.port,
                                 log_level=(args.log_level_http or args.log_level).lower())
         server = uvicorn.Server(config)
-        if not signals:
+        if not signals and not death:   # a scheduler that died while warming up is not served
             logger.info("serving %s on http://%s:%d", model_name, args.host, args.port)
             await server.serve()
     finally:

@@ -371,18 +371,19 @@ class LlamaForCausalLM(nn.Module):
         parallel = self.parallel
         if batch.capture_layers and parallel.is_pipelined:
             raise ValueError("hidden states are not returned under pipeline parallelism yet")
+        served = self.layers[self.start].input_layernorm.weight.dtype
         if parallel.is_first_stage:
             x, residual = self.embed_tokens(batch.input_ids), None
         else:   # the previous stage's last layer output and residual stream
             x, residual = parallel.receive_from_previous_stage(2, (batch.input_ids.shape[0], self.config.hidden_size),
-                                                               self.norm.weight.dtype if self.norm is not None
-                                                               else self.layers[self.start].input_layernorm.weight.dtype)
+                                                               self._between_stages(served, batch))
         rotary = self.rotary(batch.positions)
         if not batch.is_idle:
             batch.attention.prepare(batch)
         native = None if batch.capture_layers else self._decode_natively(x, residual, rotary, batch)
         captured: dict[int, torch.Tensor] = {}
         if native is None:
+            x, residual = x.to(served), None if residual is None else residual.to(served)
             for i in range(self.start, self.end):
                 if i in batch.capture_layers:   # the residual stream entering layer i (a copy: the
                     # layers add into the residual in place, and layer 0's residual is x)
@@ -391,7 +392,8 @@ class LlamaForCausalLM(nn.Module):
         else:
             x, residual = native
         if not parallel.is_last_stage:
-            parallel.send_to_next_stage(x, residual)
+            between = self._between_stages(served, batch)
+            parallel.send_to_next_stage(x.to(between), residual.to(between))
             return ModelOutput(None)   # the last stage computes the logits
         norm = self.norm if x.dtype == self.norm.weight.dtype else self._float32_copy(self.norm)
         if len(self.layers) in batch.capture_layers:
@@ -401,6 +403,14 @@ class LlamaForCausalLM(nn.Module):
         x, _ = norm(x[rows], residual[rows])
         hidden = torch.cat([captured[i] for i in batch.capture_layers], -1) if batch.capture_layers else None
         return ModelOutput(self.parallel.vocab_logits(self.lm_head, x, self.vocab_starts), hidden)
+
+    @staticmethod
+    def _between_stages(served: torch.dtype, batch: ForwardBatch) -> torch.dtype:
+        """The dtype a pipeline stage hands the next one the hidden rows in: the native decode
+        layers' (float32 for a few rows of a bf16 model), so that a split keeps the arithmetic
+        of the unsplit model, else the served dtype. Both stages work it out alike."""
+        native = native_products_dtype(served, batch.input_ids.shape[0]) if batch.is_decode else None
+        return native or served
 
     def _float32_copy(self, norm: RMSNorm) -> RMSNorm:
         """A float32 copy of a norm of a model served in another dtype, for its native decode steps
