@@ -64,3 +64,20 @@ def test_every_instruction_sets_kernels_give_the_same_products(dtype, tokens, hi
     reference = outputs["portable"]
     for isa, out in outputs.items():
         assert (out - reference).abs().max() <= 1e-5 * reference.abs().max(), isa
+
+
+def test_the_reference_pads_bf16_row_counts_to_few_sizes_and_drops_the_padding():
+    from srv.sdk.moe import padded_rows, run_experts_reference
+
+    assert [padded_rows(n) for n in (1, 2, 3, 5, 16, 17, 32, 33, 100)] == [1, 2, 4, 8, 16, 32, 32, 64, 128]
+    generator = torch.Generator().manual_seed(0)
+    experts = experts_of_size(generator, torch.bfloat16, 64, 48)
+    x = torch.randn(21, 64, generator=generator).to(torch.bfloat16)
+    weights, ids = select_experts(torch.randn(21, 8, generator=generator), Routing(2))
+    expected = torch.zeros(21, 64)
+    for token in range(21):
+        for weight, expert in zip(weights[token], ids[token].tolist()):
+            hidden = torch.nn.functional.silu(x[token:token + 1].float() @ experts.w13[expert, :48].float().t()) * \
+                (x[token:token + 1].float() @ experts.w13[expert, 48:].float().t())
+            expected[token] += (hidden @ experts.w2[expert].float().t())[0] * weight
+    torch.testing.assert_close(run_experts_reference(x, weights, ids, experts).float(), expected, rtol=0.05, atol=0.05)

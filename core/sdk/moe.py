@@ -170,10 +170,24 @@ def run_experts_reference(x: torch.Tensor, weights: torch.Tensor, ids: torch.Ten
         if count:
             rows = token_of[start:start + count]
             w13, w2 = experts.dequantized(expert)
-            hidden = activate(x[rows] @ w13.to(x.dtype).t(), experts.activation) @ w2.to(x.dtype).t()
-            out.index_add_(0, rows, hidden * route_weight[start:start + count, None].to(x.dtype))
+            gathered = x[rows]
+            if x.dtype != torch.float32:
+                gathered = F.pad(gathered, (0, 0, 0, padded_rows(count) - count))
+            hidden = activate(gathered @ w13.to(x.dtype).t(), experts.activation) @ w2.to(x.dtype).t()
+            out.index_add_(0, rows, hidden[:count] * route_weight[start:start + count, None].to(x.dtype))
         start += count
     return out
+
+
+def padded_rows(count: int) -> int:
+    """The row count an expert's products run at in a bf16 or fp16 batch: oneDNN compiles a
+    kernel for each new shape of such a product (a millisecond or more each), and every expert of
+    every prefill chunk has a row count of its own, so the counts are rounded up to a few sizes
+    (powers of two to 16, then multiples of 32). Padding rows are zeros and are dropped; float32
+    products compile nothing per shape and run unpadded."""
+    if count <= 16:
+        return 1 << (count - 1).bit_length()
+    return -(-count // 32) * 32
 
 
 class MoERunner(ABC):
