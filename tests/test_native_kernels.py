@@ -18,7 +18,7 @@ from srv.sdk.attention import ForwardBatch
 from srv.sdk import packed_linear
 from srv.sdk.packed_linear import NATIVE_ROWS, PackedLinear, can_pack, pack_linear_layers
 from srv.sdk.testing.attention import BATCHES, make_case
-from srv.sdk.native import NativeBuildError, load_c_library
+from srv.sdk.native import HUGE_PAGE, NativeBuildError, in_huge_pages, load_c_library
 from srv.sdk.paths import write_atomically
 
 
@@ -42,6 +42,21 @@ def test_a_source_that_does_not_compile_says_why(tmp_path, monkeypatch):
     with pytest.raises(NativeBuildError, match="broken.c"):
         load_c_library(source)
     assert not list((tmp_path / "cache").iterdir())   # nothing half-built is left to load
+
+
+def test_a_tensor_copied_into_huge_pages_is_equal_aligned_and_outlives_its_original():
+    import gc
+
+    original = torch.randn(3, 700, 1000).to(torch.bfloat16)
+    expected = original.clone()
+    copy = in_huge_pages(original)
+    del original
+    gc.collect()
+    assert copy.data_ptr() % HUGE_PAGE == 0 and copy.is_contiguous()
+    assert copy.dtype == torch.bfloat16 and torch.equal(copy, expected)
+    copy.add_(1)   # writable, its own memory
+    small = torch.ones(10)
+    assert in_huge_pages(small) is small
 
 
 def test_write_atomically_replaces_whole_files_and_leaves_nothing_on_failure(tmp_path):

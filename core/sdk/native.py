@@ -90,6 +90,31 @@ def pick_isa(ladder: dict[str, tuple[str, ...]], override: str) -> str:
     return next((name for name, flags in ladder.items() if requires_cpu_flags(*flags)().ok), list(ladder)[-1])
 
 
+HUGE_PAGE = 2 << 20
+
+
+def in_huge_pages(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of `tensor` in private memory aligned to 2 MB and marked for the kernel's
+    transparent huge pages (madvise), for weights that kernels stream from memory: with 4 KB pages
+    the hardware prefetchers stop at every page's end and each page takes a TLB entry. The tensor
+    itself where it is under 2 MB or the OS has no such advice; where huge pages are off (or none
+    is free), the copy is in ordinary pages and nothing else changes."""
+    import mmap
+
+    import torch
+
+    size = tensor.numel() * tensor.element_size()
+    if size < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return tensor
+    region = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    region.madvise(mmap.MADV_HUGEPAGE)   # before the copy touches it: the pages are huge from the first fault
+    raw = torch.frombuffer(region, dtype=torch.uint8)   # the tensor keeps the mapping alive
+    start = -raw.data_ptr() % HUGE_PAGE
+    out = raw[start:start + size].view(tensor.dtype).view(tensor.shape)
+    out.copy_(tensor)
+    return out
+
+
 def has_forward_hooks(model: Any) -> bool:
     """Whether any module of `model` holds a forward hook or pre-hook (`--forward-hooks`, or a
     plugin's): a model then runs its layers in Python, where torch calls them, not in one C call."""

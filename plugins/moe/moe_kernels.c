@@ -212,8 +212,8 @@ static inline void prefetch_row(int64_t type, const void *w, int64_t row, int64_
 }
 
 /* Weight rows an item: enough items to share between the threads, each a stream long enough
- * to read at the memory's pace (16 rows read slower). */
-#define BLOCK_ROWS 64
+ * to read at the memory's pace (with the weights in huge pages, 64 rows read slower). */
+#define BLOCK_ROWS 256
 
 /* Products of every (expert, block of `rows` weight rows) item: out_rows[r][j] = W_e[j] . in[r]. */
 static void expert_products(const MoEArgs *a, const void *w, const float *scale, int64_t rows, int64_t len,
