@@ -6,9 +6,12 @@
  * for all the rows routed to its expert (it stays in L1 while they pass), and the work is split
  * over (expert, block of weight rows) items so that both cores stay busy even when one expert
  * has every token. Weights are float32, bfloat16 (widened on the fly) or int8 with a float32
- * scale per output row; activations and sums are float32.
+ * scale per output row; sums are float32. With bfloat16 weights the products' inputs are
+ * bfloat16 values too, as the served model holds them: the rows of x are, and the activation
+ * between the two products is rounded to bfloat16 (as the reference's bf16 products round it).
  *
- * The dot products are compiled three times (AVX-512, AVX2+FMA, portable) and picked at run time
+ * The dot products are compiled for AVX-512 with BF16 (bfloat16 pairs multiplied and added in one
+ * instruction, for bfloat16 weights), AVX-512, AVX2+FMA and portable C, and picked at run time
  * from the CPU's flags; srv_moe_set_isa forces one (the tests check each against the others).
  */
 #include <immintrin.h>
@@ -18,7 +21,7 @@
 #include <string.h>
 
 enum { WEIGHT_F32 = 0, WEIGHT_BF16 = 1, WEIGHT_I8 = 2 };
-enum { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
+enum { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512_BF16 = 3 };
 
 typedef struct {
     int64_t tokens, top_k, hidden, inter, local, start, weight_type, activation;   /* activation: 0 silu, 1 gelu (tanh) */
@@ -35,6 +38,13 @@ static inline float bf16_to_float(uint16_t v) {
     union { uint32_t u; float f; } c;
     c.u = (uint32_t)v << 16;
     return c.f;
+}
+
+/* float32 to the nearest bfloat16 (ties to even; the activations here are finite). */
+static inline uint16_t float_to_bf16(float v) {
+    union { uint32_t u; float f; } c;
+    c.f = v;
+    return (uint16_t)((c.u + 0x7FFFu + ((c.u >> 16) & 1u)) >> 16);
 }
 
 /* A weight of each type as float32. */
@@ -166,34 +176,82 @@ AVX2 INLINE __m256 widen_i8_avx2(const int8_t *w) {
 DOTS_OF_ISA(512, AVX512)
 DOTS_OF_ISA(avx2, AVX2)
 
+/* bfloat16 weights against bfloat16 rows of x, 32 pairs a vector: vdpbf16ps adds each lane's two
+ * products (exact in float32) to its sum. Up to four rows a weight vector, two accumulators each. */
+#define AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512bf16")))
+AVX512_BF16 INLINE void group_bf16_pairs(const uint16_t *w, const uint16_t *x, int64_t len, float *y,
+                                         int64_t y_stride, const int rows) {
+    __m512 even[4], odd[4];
+    for (int r = 0; r < rows; r++) even[r] = odd[r] = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 64 <= len; i += 64) {
+        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + i), w1 = (__m512bh)_mm512_loadu_si512(w + i + 32);
+        for (int r = 0; r < rows; r++) {
+            even[r] = _mm512_dpbf16_ps(even[r], w0, (__m512bh)_mm512_loadu_si512(x + r * len + i));
+            odd[r] = _mm512_dpbf16_ps(odd[r], w1, (__m512bh)_mm512_loadu_si512(x + r * len + i + 32));
+        }
+    }
+    for (; i + 32 <= len; i += 32) {
+        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + i);
+        for (int r = 0; r < rows; r++)
+            even[r] = _mm512_dpbf16_ps(even[r], w0, (__m512bh)_mm512_loadu_si512(x + r * len + i));
+    }
+    for (int r = 0; r < rows; r++) {
+        float sum = _mm512_reduce_add_ps(_mm512_add_ps(even[r], odd[r]));
+        for (int64_t t = i; t < len; t++) sum += bf16_to_float(w[t]) * bf16_to_float(x[r * len + t]);
+        y[r * y_stride] = sum;
+    }
+}
+
+AVX512_BF16 static void dots_bf16_pairs(const uint16_t *w, const uint16_t *x, int64_t n, int64_t len, float *y,
+                                        int64_t y_stride) {
+    int64_t r = 0;
+    for (; r + 4 <= n; r += 4) group_bf16_pairs(w, x + r * len, len, y + r * y_stride, y_stride, 4);
+    const uint16_t *xr = x + r * len;
+    float *yr = y + r * y_stride;
+    switch (n - r) {
+    case 3: group_bf16_pairs(w, xr, len, yr, y_stride, 3); break;
+    case 2: group_bf16_pairs(w, xr, len, yr, y_stride, 2); break;
+    case 1: group_bf16_pairs(w, xr, len, yr, y_stride, 1); break;
+    default: break;
+    }
+}
+
 static int isa = -1;
 
 int srv_moe_best_isa(void) {
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")) return ISA_AVX512;
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")) {
+        return __builtin_cpu_supports("avx512bf16") ? ISA_AVX512_BF16 : ISA_AVX512;
+    }
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return ISA_AVX2;
     return ISA_PORTABLE;
 }
 
 void srv_moe_set_isa(int level) { isa = level; }
 
+/* Whether x's rows are stored as bfloat16 (for the pairs' instruction), else as float32. */
+static int bf16_rows(int64_t type) { return type == WEIGHT_BF16 && isa == ISA_AVX512_BF16; }
+
 /* Row `row` of a [rows][len] weight matrix of the given type, dotted with n rows of x. */
-static void dots(int64_t type, const void *w, int64_t row, const float *x, int64_t n, int64_t len, float *y,
+static void dots(int64_t type, const void *w, int64_t row, const void *xv, int64_t n, int64_t len, float *y,
                  int64_t y_stride) {
-    if (isa < 0) isa = srv_moe_best_isa();
-    if (type == WEIGHT_F32) {
+    const float *x = xv;
+    if (bf16_rows(type)) {
+        dots_bf16_pairs((const uint16_t *)w + row * len, xv, n, len, y, y_stride);
+    } else if (type == WEIGHT_F32) {
         const float *r = (const float *)w + row * len;
-        if (isa == ISA_AVX512) dots_f32_512(r, x, n, len, y, y_stride);
+        if (isa >= ISA_AVX512) dots_f32_512(r, x, n, len, y, y_stride);
         else if (isa == ISA_AVX2) dots_f32_avx2(r, x, n, len, y, y_stride);
         else dots_f32_portable(r, x, n, len, y, y_stride);
     } else if (type == WEIGHT_BF16) {
         const uint16_t *r = (const uint16_t *)w + row * len;
-        if (isa == ISA_AVX512) dots_bf16_512(r, x, n, len, y, y_stride);
+        if (isa >= ISA_AVX512) dots_bf16_512(r, x, n, len, y, y_stride);
         else if (isa == ISA_AVX2) dots_bf16_avx2(r, x, n, len, y, y_stride);
         else dots_bf16_portable(r, x, n, len, y, y_stride);
     } else {
         const int8_t *r = (const int8_t *)w + row * len;
-        if (isa == ISA_AVX512) dots_i8_512(r, x, n, len, y, y_stride);
+        if (isa >= ISA_AVX512) dots_i8_512(r, x, n, len, y, y_stride);
         else if (isa == ISA_AVX2) dots_i8_avx2(r, x, n, len, y, y_stride);
         else dots_i8_portable(r, x, n, len, y, y_stride);
     }
@@ -217,7 +275,8 @@ static inline void prefetch_row(int64_t type, const void *w, int64_t row, int64_
 
 /* Products of every (expert, block of `rows` weight rows) item: out_rows[r][j] = W_e[j] . in[r]. */
 static void expert_products(const MoEArgs *a, const void *w, const float *scale, int64_t rows, int64_t len,
-                            const int64_t *offsets, const float *in, float *out) {
+                            const int64_t *offsets, const void *in, float *out) {
+    const int64_t in_size = bf16_rows(a->weight_type) ? 2 : 4;
     int64_t blocks = (rows + BLOCK_ROWS - 1) / BLOCK_ROWS;
     int64_t items = a->local * blocks;
 #pragma omp parallel for schedule(dynamic, 1)
@@ -226,7 +285,7 @@ static void expert_products(const MoEArgs *a, const void *w, const float *scale,
         int64_t n = offsets[e + 1] - offsets[e];
         if (n == 0) continue;
         int64_t last = first + BLOCK_ROWS < rows ? first + BLOCK_ROWS : rows;
-        const float *x = in + offsets[e] * len;
+        const char *x = (const char *)in + offsets[e] * len * in_size;
         float *y = out + offsets[e] * rows;
         for (int64_t j = first; j < last; j++) {
             if (PREFETCH_ROWS > 0 && j + PREFETCH_ROWS < rows) prefetch_row(a->weight_type, w, e * rows + j + PREFETCH_ROWS, len);
@@ -242,6 +301,9 @@ static void expert_products(const MoEArgs *a, const void *w, const float *scale,
 /* Returns 0, or -1 when scratch memory could not be had. */
 int srv_moe_run(const MoEArgs *a) {
     const int64_t routes = a->tokens * a->top_k, hidden = a->hidden, inter = a->inter, local = a->local;
+    if (isa < 0) isa = srv_moe_best_isa();
+    const int pairs = bf16_rows(a->weight_type), round_act = a->weight_type == WEIGHT_BF16;
+    const size_t in_size = pairs ? 2 : 4;
     int64_t *offsets = calloc((size_t)local + 2, sizeof(int64_t));
     int64_t *route_token = malloc(sizeof(int64_t) * (size_t)(routes ? routes : 1));
     float *route_weight = malloc(sizeof(float) * (size_t)(routes ? routes : 1));
@@ -257,9 +319,9 @@ int srv_moe_run(const MoEArgs *a) {
     for (int64_t e = 0; e < local; e++) offsets[e + 1] += offsets[e];
     int64_t held = offsets[local];
     int64_t *fill = calloc((size_t)local + 1, sizeof(int64_t));
-    float *rows = malloc(sizeof(float) * (size_t)(held ? held : 1) * (size_t)hidden);
+    void *rows = malloc(in_size * (size_t)(held ? held : 1) * (size_t)hidden);
     float *gate_up = malloc(sizeof(float) * (size_t)(held ? held : 1) * (size_t)(2 * inter));
-    float *act = malloc(sizeof(float) * (size_t)(held ? held : 1) * (size_t)inter);
+    void *act = malloc(in_size * (size_t)(held ? held : 1) * (size_t)inter);
     float *down = malloc(sizeof(float) * (size_t)(held ? held : 1) * (size_t)hidden);
     int status = 0;
     if (!fill || !rows || !gate_up || !act || !down) {
@@ -275,20 +337,24 @@ int srv_moe_run(const MoEArgs *a) {
         }
     }
 #pragma omp parallel for
-    for (int64_t s = 0; s < held; s++)
-        memcpy(rows + s * hidden, a->x + route_token[s] * hidden, sizeof(float) * (size_t)hidden);
+    for (int64_t s = 0; s < held; s++) {
+        const float *from = a->x + route_token[s] * hidden;
+        if (pairs) {
+            for (int64_t i = 0; i < hidden; i++) ((uint16_t *)rows)[s * hidden + i] = float_to_bf16(from[i]);
+        } else {
+            memcpy((float *)rows + s * hidden, from, sizeof(float) * (size_t)hidden);
+        }
+    }
     expert_products(a, a->w13, a->w13_scale, 2 * inter, hidden, offsets, rows, gate_up);
 #pragma omp parallel for
     for (int64_t s = 0; s < held; s++) {
         const float *g = gate_up + s * 2 * inter, *u = g + inter;
-        float *o = act + s * inter;
-        if (a->activation == 0) {
-            for (int64_t i = 0; i < inter; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
-        } else {
-            for (int64_t i = 0; i < inter; i++) {
-                float v = g[i];
-                o[i] = 0.5f * v * (1.0f + tanhf(0.7978845608028654f * (v + 0.044715f * v * v * v))) * u[i];
-            }
+        for (int64_t i = 0; i < inter; i++) {
+            float v = g[i], o;
+            if (a->activation == 0) o = v / (1.0f + expf(-v)) * u[i];
+            else o = 0.5f * v * (1.0f + tanhf(0.7978845608028654f * (v + 0.044715f * v * v * v))) * u[i];
+            if (pairs) ((uint16_t *)act)[s * inter + i] = float_to_bf16(o);
+            else ((float *)act)[s * inter + i] = round_act ? bf16_to_float(float_to_bf16(o)) : o;
         }
     }
     expert_products(a, a->w2, a->w2_scale, hidden, inter, offsets, act, down);
