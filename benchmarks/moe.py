@@ -7,6 +7,8 @@ engine's threads or memory touch another's), one after another within each repet
 
 - `srv`: srv's defaults (`--dtype auto`: bfloat16 where the CPU computes it natively, else
   float32; the runner picked by priority: the fused CPU runner where a C compiler is found);
+- `srv-int8`: srv's defaults with `--quantization w8a8_int8` (the experts int8 per output channel,
+  quantized as the model loads);
 - `srv-f32`: `--dtype float32`, and `srv-torch-f32`: float32 with `--moe-runner-backend torch`
   (the reference runner);
 - `hf`: HF transformers `generate` on the same weights in float32 with its default experts
@@ -45,7 +47,7 @@ CONFIG = dict(vocab_size=49152, hidden_size=1024, intermediate_size=1408, num_hi
 INPUT_LEN = 64
 OUTPUT_LEN = 64
 STREAMS = (1, 16)
-CONFIGS = ("srv", "srv-f32", "srv-torch-f32", "hf", "hf-eager", "hf-bf16")
+CONFIGS = ("srv", "srv-int8", "srv-f32", "srv-torch-f32", "hf", "hf-eager", "hf-bf16")
 SEED = 0
 
 
@@ -155,6 +157,7 @@ def measure_hf(model_dir: Path, dtype: str, experts: str | None) -> dict[str, An
 def measure(config: str, model_dir: Path) -> dict[str, Any]:
     return {
         "srv": lambda: measure_srv(model_dir, {}),
+        "srv-int8": lambda: measure_srv(model_dir, {"quantization": "w8a8_int8"}),
         "srv-f32": lambda: measure_srv(model_dir, {"dtype": "float32"}),
         "srv-torch-f32": lambda: measure_srv(model_dir, {"dtype": "float32", "moe_runner_backend": "torch"}),
         "hf": lambda: measure_hf(model_dir, "float32", None),

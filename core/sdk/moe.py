@@ -154,8 +154,8 @@ def activate(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
 def run_experts_reference(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                           experts: ExpertWeights) -> torch.Tensor:
     """The reference sum: tokens sorted by expert, each expert's rows through its gate-up,
-    activation and down products in one go, weighted and added back per token (in x's dtype,
-    int8 weights dequantized). Routes to other ranks' experts add nothing."""
+    activation and down products in one go, weighted and added back per token (in x's dtype;
+    int8 weights' products scaled per output channel). Routes to other ranks' experts add nothing."""
     out = torch.zeros_like(x)
     local = ids - experts.start
     held = (local >= 0) & (local < experts.local_experts)
@@ -170,11 +170,18 @@ def run_experts_reference(x: torch.Tensor, weights: torch.Tensor, ids: torch.Ten
     for expert, count in enumerate(counts[:-1]):
         if count:
             rows = token_of[start:start + count]
-            w13, w2 = experts.dequantized(expert)
             gathered = x[rows]
             if x.dtype != torch.float32:
                 gathered = F.pad(gathered, (0, 0, 0, padded_rows(count) - count))
-            hidden = activate(gathered @ w13.to(x.dtype).t(), experts.activation) @ w2.to(x.dtype).t()
+            # int8 weights are exact in either float dtype: the products take them as they are,
+            # and each output channel's scale multiplies the sums.
+            w13, w2 = experts.w13[expert].to(x.dtype), experts.w2[expert].to(x.dtype)
+            gate_up = gathered @ w13.t()
+            if experts.is_int8:
+                gate_up = gate_up * experts.w13_scale[expert].to(x.dtype)
+            hidden = activate(gate_up, experts.activation) @ w2.t()
+            if experts.is_int8:
+                hidden = hidden * experts.w2_scale[expert].to(x.dtype)
             out.index_add_(0, rows, hidden[:count] * route_weight[start:start + count, None].to(x.dtype))
         start += count
     return out

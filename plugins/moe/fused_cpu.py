@@ -17,8 +17,9 @@ from srv.sdk.native import NativeBuildError, load_c_library
 
 logger = logging.getLogger("srv.moe")
 
-# Routes an expert (on average) from which a float batch runs on torch's products: decode
-# batches stay below it, prefill chunks are far above it.
+# Routes an expert (on average) from which a batch runs on torch's products (int8 weights
+# widened to the rows' dtype an expert at a time): decode batches stay below it, prefill chunks
+# are far above it.
 TORCH_ROWS_PER_EXPERT = 8
 WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 ISAS = {"portable": 0, "avx2": 1, "avx512": 2, "avx512_bf16": 3}
@@ -64,7 +65,7 @@ class FusedCPURunner(MoERunner):
     def run(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: ExpertWeights) -> torch.Tensor:
         library = kernels()
         if library is None or x.shape[0] == 0 or \
-                ids.numel() >= TORCH_ROWS_PER_EXPERT * experts.local_experts and not experts.is_int8:
+                ids.numel() >= TORCH_ROWS_PER_EXPERT * experts.local_experts:
             return run_experts_reference(x, weights, ids, experts)
         if "fused_cpu" not in experts.packed:
             self.prepare(experts)
