@@ -202,7 +202,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def report(runs: list[dict[str, Any]], configs: list[str]) -> str:
-    """A markdown table of medians, and each repetition's ratios (srv's default to the others, srv's float32 to the float32 peers)."""
+    """A markdown table of medians, and each repetition's ratios (srv's default to the others, srv's
+    int8 to transformers, srv's float32 to the float32 peers)."""
     lines = ["| configuration | " + " | ".join(f"{s} stream{'s' * (s > 1)}, output tok/s" for s in STREAMS)
              + " | " + " | ".join(f"MoE share, {s}" for s in STREAMS) + " |",
              "| --- |" + " ---: |" * (2 * len(STREAMS))]
@@ -213,8 +214,10 @@ def report(runs: list[dict[str, Any]], configs: list[str]) -> str:
         lines.append(f"| {config} | " + " | ".join(cells) + " |")
     reps = sorted({r["rep"] for r in runs})
     by = {(r["config"], r["rep"]): r for r in runs}
-    # srv's default against every other row; float32 srv against the float32 peers (same arithmetic).
+    # srv's default against every other row; int8 srv against transformers; float32 srv against
+    # the float32 peers (same arithmetic).
     pairs = [("srv", other) for other in configs if other != "srv"] + \
+            [("srv-int8", other) for other in ("hf", "hf-eager", "hf-bf16")] + \
             [("srv-f32", other) for other in ("srv-torch-f32", "hf", "hf-eager")]
     for mine, other in pairs:
         for s in STREAMS:
