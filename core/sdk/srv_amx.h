@@ -46,6 +46,9 @@ __attribute__((target("amx-tile"))) static inline void srv_amx_configure(int cou
         config.rows[t] = SRV_AMX_TILE;
         config.bytes_per_row[t] = 64;
     }
+    /* GCC 12 may drop the stores above as dead, taking ldtilecfg for a reader of the first
+     * bytes only (seen where this is not inlined into its caller): the barrier keeps them. */
+    __asm__ __volatile__("" : : "r"(&config) : "memory");
     _tile_loadconfig(&config);
 }
 

@@ -22,7 +22,7 @@ logger = logging.getLogger("srv.moe")
 # are far above it.
 TORCH_ROWS_PER_EXPERT = 8
 WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
-ISAS = {"portable": 0, "avx2": 1, "avx512": 2, "avx512_bf16": 3}
+ISAS = {"portable": 0, "avx2": 1, "avx512": 2, "avx512_bf16": 3, "amx": 4}
 
 
 class MoEArgs(ctypes.Structure):
@@ -46,8 +46,8 @@ def kernels() -> ctypes.CDLL | None:
 
 
 def set_isa(name: str | None) -> None:
-    """Force the kernels' instruction set ("portable", "avx2", "avx512", "avx512_bf16"; None: the CPU's
-    best)."""
+    """Force the kernels' instruction set ("portable", "avx2", "avx512", "avx512_bf16", "amx"; None:
+    the CPU's best)."""
     kernels().srv_moe_set_isa(-1 if name is None else ISAS[name])
 
 

@@ -10,9 +10,11 @@
  * bfloat16 values too, as the served model holds them: the rows of x are, and the activation
  * between the two products is rounded to bfloat16 (as the reference's bf16 products round it).
  *
- * The dot products are compiled for AVX-512 with BF16 (bfloat16 pairs multiplied and added in one
- * instruction, for bfloat16 weights), AVX-512, AVX2+FMA and portable C, and picked at run time
- * from the CPU's flags; srv_moe_set_isa forces one (the tests check each against the others).
+ * The dot products are compiled for AMX (bfloat16 weights: sixteen weight rows a tile against
+ * up to sixteen rows of x, the arithmetic nearly free, so a step reads the weights at the memory's
+ * pace), AVX-512 with BF16 (bfloat16 pairs multiplied and added in one instruction, for bfloat16
+ * weights), AVX-512, AVX2+FMA and portable C, and picked at run time from the CPU's flags (and, for
+ * AMX, the OS's leave); srv_moe_set_isa forces one (the tests check each against the others).
  */
 #include <immintrin.h>
 #include <math.h>
@@ -20,8 +22,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "srv_amx.h"
+
 enum { WEIGHT_F32 = 0, WEIGHT_BF16 = 1, WEIGHT_I8 = 2 };
-enum { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512_BF16 = 3 };
+enum { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512_BF16 = 3, ISA_AMX = 4 };
 
 typedef struct {
     int64_t tokens, top_k, hidden, inter, local, start, weight_type, activation;   /* activation: 0 silu, 1 gelu (tanh) */
@@ -217,21 +221,53 @@ AVX512_BF16 static void dots_bf16_pairs(const uint16_t *w, const uint16_t *x, in
     }
 }
 
+/* AMX: 16 rows of bf16 weights a tile (tile 0, read where they lie, `len` apart) against up to
+ * 16 bf16 rows of x laid out for the second operand (tile 1, srv_amx_pack_rows), summed into tile
+ * 2: y[r * y_stride + i] = W[i] . x[r] for the n rows of x. `len` is a multiple of 32. */
+#define AMX_BF16 __attribute__((target("amx-tile,amx-bf16,avx512f")))
+AMX_BF16 static void tiles_bf16(const uint16_t *w, const uint32_t *packed, int64_t n, int64_t len, float *y,
+                                int64_t y_stride) {
+    const int64_t chunks = len / 32;
+    float sums[SRV_AMX_TILE][SRV_AMX_TILE];
+    for (int64_t g = 0; g * SRV_AMX_TILE < n; g++) {
+        _tile_zero(2);
+        for (int64_t c = 0; c < chunks; c++) {
+            _tile_loadd(0, w + c * 32, len * 2);
+            _tile_loadd(1, packed + (g * chunks + c) * SRV_AMX_TILE * SRV_AMX_TILE, 64);
+            _tile_dpbf16ps(2, 0, 1);
+        }
+        _tile_stored(2, sums, 64);
+        const int64_t m = n - g * SRV_AMX_TILE < SRV_AMX_TILE ? n - g * SRV_AMX_TILE : SRV_AMX_TILE;
+        for (int i = 0; i < SRV_AMX_TILE; i++)
+            for (int64_t r = 0; r < m; r++) y[(g * SRV_AMX_TILE + r) * y_stride + i] = sums[i][r];
+    }
+}
+
 static int isa = -1;
 
 int srv_moe_best_isa(void) {
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")) {
-        return __builtin_cpu_supports("avx512bf16") ? ISA_AVX512_BF16 : ISA_AVX512;
+        if (!__builtin_cpu_supports("avx512bf16")) return ISA_AVX512;
+        return srv_amx_usable(SRV_AMX_BF16) ? ISA_AMX : ISA_AVX512_BF16;
     }
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return ISA_AVX2;
     return ISA_PORTABLE;
 }
 
-void srv_moe_set_isa(int level) { isa = level; }
+/* Forcing a set the CPU lacks is the caller's error; the best one is looked up first, as that asks
+ * the OS for the tiles. */
+void srv_moe_set_isa(int level) {
+    srv_moe_best_isa();
+    isa = level;
+}
+
+/* A thread's tiles for tiles_bf16, and their release. */
+AMX_BF16 static void amx_configure(void) { srv_amx_configure(3); }
+AMX_BF16 static void amx_release(void) { _tile_release(); }
 
 /* Whether x's rows are stored as bfloat16 (for the pairs' instruction), else as float32. */
-static int bf16_rows(int64_t type) { return type == WEIGHT_BF16 && isa == ISA_AVX512_BF16; }
+static int bf16_rows(int64_t type) { return type == WEIGHT_BF16 && isa >= ISA_AVX512_BF16; }
 
 /* Row `row` of a [rows][len] weight matrix of the given type, dotted with n rows of x. */
 static void dots(int64_t type, const void *w, int64_t row, const void *xv, int64_t n, int64_t len, float *y,
@@ -279,23 +315,55 @@ static void expert_products(const MoEArgs *a, const void *w, const float *scale,
     const int64_t in_size = bf16_rows(a->weight_type) ? 2 : 4;
     int64_t blocks = (rows + BLOCK_ROWS - 1) / BLOCK_ROWS;
     int64_t items = a->local * blocks;
-#pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t item = 0; item < items; item++) {
-        int64_t e = item / blocks, first = (item % blocks) * BLOCK_ROWS;
-        int64_t n = offsets[e + 1] - offsets[e];
-        if (n == 0) continue;
-        int64_t last = first + BLOCK_ROWS < rows ? first + BLOCK_ROWS : rows;
-        const char *x = (const char *)in + offsets[e] * len * in_size;
-        float *y = out + offsets[e] * rows;
-        for (int64_t j = first; j < last; j++) {
-            if (PREFETCH_ROWS > 0 && j + PREFETCH_ROWS < rows) prefetch_row(a->weight_type, w, e * rows + j + PREFETCH_ROWS, len);
-            dots(a->weight_type, w, e * rows + j, x, n, len, y + j, rows);
-            if (scale) {
-                float s = scale[e * rows + j];
-                for (int64_t r = 0; r < n; r++) y[r * rows + j] *= s;
-            }
+    /* On AMX, each expert's rows of x laid out for the tiles first (16 rows a group). */
+    uint32_t *packed = NULL;
+    int64_t *packed_at = NULL;
+    if (isa == ISA_AMX && bf16_rows(a->weight_type) && len % 32 == 0) {
+        packed_at = malloc(sizeof(int64_t) * (size_t)(a->local + 1));
+        packed_at[0] = 0;
+        for (int64_t e = 0; e < a->local; e++) {
+            const int64_t n = offsets[e + 1] - offsets[e];
+            packed_at[e + 1] = packed_at[e] + (n + SRV_AMX_TILE - 1) / SRV_AMX_TILE * SRV_AMX_TILE * len / 2;
+        }
+        packed = malloc(sizeof(uint32_t) * (size_t)(packed_at[a->local] ? packed_at[a->local] : 1));
+        if (!packed || !packed_at) {
+            free(packed); free(packed_at);
+            packed = NULL; packed_at = NULL;
+        } else {
+            for (int64_t e = 0; e < a->local; e++)
+                if (offsets[e + 1] > offsets[e])
+                    srv_amx_pack_rows((const uint16_t *)in + offsets[e] * len, offsets[e + 1] - offsets[e], len * 2,
+                                      packed + packed_at[e]);
         }
     }
+#pragma omp parallel
+    {
+        if (packed) amx_configure();
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < items; item++) {
+            int64_t e = item / blocks, first = (item % blocks) * BLOCK_ROWS;
+            int64_t n = offsets[e + 1] - offsets[e];
+            if (n == 0) continue;
+            int64_t last = first + BLOCK_ROWS < rows ? first + BLOCK_ROWS : rows;
+            const char *x = (const char *)in + offsets[e] * len * in_size;
+            float *y = out + offsets[e] * rows;
+            int64_t j = first;
+            if (packed) {
+                for (; j + SRV_AMX_TILE <= last; j += SRV_AMX_TILE)
+                    tiles_bf16((const uint16_t *)w + (e * rows + j) * len, packed + packed_at[e], n, len, y + j, rows);
+            }
+            for (; j < last; j++) {
+                if (PREFETCH_ROWS > 0 && j + PREFETCH_ROWS < rows) prefetch_row(a->weight_type, w, e * rows + j + PREFETCH_ROWS, len);
+                dots(a->weight_type, w, e * rows + j, x, n, len, y + j, rows);
+                if (scale) {
+                    float s = scale[e * rows + j];
+                    for (int64_t r = 0; r < n; r++) y[r * rows + j] *= s;
+                }
+            }
+        }
+        if (packed) amx_release();
+    }
+    free(packed); free(packed_at);
 }
 
 /* Returns 0, or -1 when scratch memory could not be had. */
