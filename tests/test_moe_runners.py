@@ -44,7 +44,8 @@ def experts_of_size(generator: torch.Generator, dtype, hidden: int, inter: int) 
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "int8"])
-@pytest.mark.parametrize("tokens, hidden, inter", [(37, 64, 48), (3, 45, 37)])   # 45, 37: no whole vectors
+@pytest.mark.parametrize("tokens, hidden, inter", [(37, 64, 48), (3, 45, 37), (80, 64, 36)])
+# 45, 37: no whole vectors; 80 tokens and 72 gate-up rows: two groups of rows a tile and rows past the last tile
 def test_every_instruction_sets_kernels_give_the_same_products(dtype, tokens, hidden, inter, c_only):
     generator = torch.Generator().manual_seed(0)
     experts = experts_of_size(generator, dtype, hidden, inter)
@@ -62,8 +63,11 @@ def test_every_instruction_sets_kernels_give_the_same_products(dtype, tokens, hi
     finally:
         fused_cpu.set_isa(None)
     reference = outputs["portable"]
+    # bf16: the output and the activation between the products are rounded to bf16, where sums
+    # in another order may round to the neighbouring value (2^-8 of it at most, then carried on).
+    tolerance = 2 ** -7 if dtype == torch.bfloat16 else 1e-5
     for isa, out in outputs.items():
-        assert (out - reference).abs().max() <= 1e-5 * reference.abs().max(), isa
+        assert (out - reference).abs().max() <= tolerance * reference.abs().max(), isa
 
 
 def test_the_reference_pads_bf16_row_counts_to_few_sizes_and_drops_the_padding():
