@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import re
 import shutil
 from types import SimpleNamespace
 
@@ -118,14 +119,16 @@ def test_srv_int8_isa_picks_the_kernel(monkeypatch):
         w8a8_int8.best_isa.cache_clear()
 
 
-def write_int8_checkpoint(source, target, quantization_config):
+def write_int8_checkpoint(source, target, quantization_config,
+                          names=r"proj\.weight$|experts\.\d+\.w[123]\.weight$"):
     """The float checkpoint `source` quantized per channel, as SGLang's and compressed-tensors'
-    tools write it: int8 `weight` and `weight_scale` [N, 1] for every linear layer but the head."""
+    tools write it: int8 `weight` and `weight_scale` [N, 1] for every linear layer but the head
+    and a MoE block's router (Mixtral's experts' w1, w2, w3 included): those `names` matches."""
     shutil.copytree(source, target)
     tensors = load_file(str(source / "model.safetensors"))
     out = {}
     for name, tensor in tensors.items():
-        if name.endswith("proj.weight"):
+        if re.search(names, name):
             q, scale = quantize_weight(tensor)
             out[name], out[name.replace(".weight", ".weight_scale")] = q, scale[:, None]
         else:
@@ -211,6 +214,31 @@ def test_stored_checkpoints_keep_the_head_and_their_listed_layers_float():
     assert kept_float("layers.1.self_attn.o_proj", {"ignored_layers": ["model.layers.1.self_attn.o_proj"]})
     assert kept_float("layers.2.mlp.gate_up_proj", {"modules_to_not_convert": ["layers.2.mlp.gate_up_proj"]})
     assert not kept_float("layers.0.mlp.gate_up_proj", {"ignore": ["re:.*mlp\\.down_proj", "lm_head"]})
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe"])
+def test_int8_moe_checkpoints_load_their_experts_as_stored(tiny_moe_models, tmp_path, kind, head_left_float):
+    """A MoE checkpoint stored in int8 (each expert's projections int8 with their scales, the
+    router float): the same tokens as its float original quantized at load; the experts int8."""
+    path = write_int8_checkpoint(tiny_moe_models[kind], tmp_path / kind, {"quant_method": "w8a8_int8"})
+    prompts = [[5, 6, 7, 8, 9], [100, 200, 300]]
+    params = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+    with srv.Engine(model_path=str(path), dtype="float32") as engine:
+        experts = engine.runner.model.layers[0].mlp.experts.experts()
+        assert experts.is_int8
+        stored = engine.generate(input_ids=prompts, sampling_params=params)
+    with srv.Engine(model_path=str(tiny_moe_models[kind]), dtype="float32", quantization="w8a8_int8") as engine:
+        at_load = engine.generate(input_ids=prompts, sampling_params=params)
+    assert [r["output_ids"] for r in stored] == [r["output_ids"] for r in at_load]
+
+
+def test_int8_moe_experts_need_the_int8_method(tiny_moe_models, tmp_path):
+    # Only the experts in int8, so that the float layers load without the method.
+    path = write_int8_checkpoint(tiny_moe_models["qwen3_moe"], tmp_path / "stored", {"quant_method": "w8a8_int8"},
+                                 names=r"experts\.\d+\.\w+\.weight$")
+    with pytest.raises(ValueError, match="stored in int8"):
+        with srv.Engine(model_path=str(path), dtype="float32", quantization="none") as engine:
+            engine.generate(input_ids=[[5, 6, 7]], sampling_params={"max_new_tokens": 2})
 
 
 def test_a_stored_int8_checkpoint_is_refused_under_tensor_parallelism(tiny_models, tmp_path):

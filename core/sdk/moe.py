@@ -403,6 +403,9 @@ class FusedMoE(nn.Module):
         self.w2_weight = nn.Parameter(torch.empty(local, hidden_size, self.inter_local), requires_grad=False)
         self.w13_scale: torch.Tensor | None = None
         self.w2_scale: torch.Tensor | None = None
+        # A checkpoint's int8 experts: their scales as loaded ([local, 2 * inter], [local, hidden]),
+        # their integer values in the float weights, until `quantize_int8` takes both.
+        self.stored_scales: tuple[torch.Tensor, torch.Tensor] | None = None
         self._experts: ExpertWeights | None = None
         # Every logical expert's weights (this rank's features), for a placement to come.
         if backends.rebalancing:
@@ -417,10 +420,15 @@ class FusedMoE(nn.Module):
 
     def load_expert(self, name: str, expert: int, shard: int, tensor: torch.Tensor) -> bool:
         """Load checkpoint tensor `name`, shard `shard` (0 gate, 1 up, 2 down) of logical expert
-        `expert` into each of this rank's copies of it; False where it has none."""
+        `expert` into each of this rank's copies of it; False where it has none. A `weight_scale`
+        is an int8 checkpoint's scale per output channel ([rows, 1] or [rows]), whose int8
+        `weight` loads into the float weights exactly, for `quantize_int8` to take."""
         slots = [slot - self.expert_start for slot in range(self.expert_start, self.expert_start + self.local_experts)
                  if self.slot_logical[slot] == expert]
         inter = slice(self.inter_start, self.inter_start + self.inter_local)
+        if name.endswith("weight_scale"):
+            self._load_scale(name, slots, shard, tensor.reshape(-1), inter)
+            return True
         if hasattr(self, "w13_logical"):
             if shard == 2:
                 load_weight(name, self.w2_logical, self.w2_logical[expert], tensor[:, inter])
@@ -436,6 +444,20 @@ class FusedMoE(nn.Module):
                 load_weight(name, self.w13_weight, rows, tensor[inter])
         self._experts = None
         return bool(slots) or hasattr(self, "w13_logical")
+
+    def _load_scale(self, name: str, slots: list[int], shard: int, scale: torch.Tensor, inter: slice) -> None:
+        if hasattr(self, "w13_logical"):
+            raise ValueError(f"{name}: experts stored in int8 are not read under --enable-eplb yet")
+        if self.stored_scales is None:
+            self.stored_scales = (torch.zeros(self.local_experts, 2 * self.inter_local),
+                                  torch.zeros(self.local_experts, self.w2_weight.shape[1]))
+        w13_scale, w2_scale = self.stored_scales
+        for local in slots:
+            if shard == 2:
+                load_weight(name, w2_scale, w2_scale[local], scale)
+            else:
+                load_weight(name, w13_scale, w13_scale[local, shard * self.inter_local:(shard + 1) * self.inter_local],
+                            scale[inter])
 
     def place(self, slot_logical: list[int]) -> None:
         """Hold the experts of a new placement (--enable-eplb): slot i the copy of logical expert
@@ -457,14 +479,19 @@ class FusedMoE(nn.Module):
 
     def quantize_int8(self) -> None:
         """Store the experts as int8 with a float32 scale per output channel (symmetric, the
-        largest magnitude of a row to 127): a quantization method's `apply` calls it."""
+        largest magnitude of a row to 127), or as the checkpoint stored them (`stored_scales`): a
+        quantization method's `apply` calls it."""
         def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             weight = weight.float()
             scale = weight.abs().amax(dim=-1).clamp(min=1e-10) / 127.0
             return (weight / scale[..., None]).round().clamp(-127, 127).to(torch.int8), scale
 
-        for name in ("w13", "w2"):
-            quantized, scale = quantize(getattr(self, f"{name}_weight").data)
+        for index, name in enumerate(("w13", "w2")):
+            weight = getattr(self, f"{name}_weight").data
+            if self.stored_scales is not None:
+                quantized, scale = weight.round().clamp(-128, 127).to(torch.int8), self.stored_scales[index]
+            else:
+                quantized, scale = quantize(weight)
             # Plain attributes: the cast to the served dtype must leave them as they are.
             delattr(self, f"{name}_weight")
             setattr(self, f"{name}_int8", quantized)
@@ -479,6 +506,8 @@ class FusedMoE(nn.Module):
         """The weights as the runner takes them (built once, then prepared by the runner)."""
         if self._experts is None:
             int8 = self.w13_scale is not None
+            if self.stored_scales is not None and not int8:
+                raise ValueError("the checkpoint's experts are stored in int8: serve it with --quantization w8a8_int8")
             # A decode step streams every expert it routes to from memory, faster from huge pages.
             if int8:
                 self.w13_int8, self.w2_int8 = in_huge_pages(self.w13_int8), in_huge_pages(self.w2_int8)

@@ -26,9 +26,13 @@ class NativeModels(ModelImpl):
         return LlamaForCausalLM(config, self.parallel)
 
     def finalize(self, model) -> None:
+        from srv.sdk.moe import FusedMoE
         from srv.sdk.packed_linear import pack_linear_layers
 
         pack_linear_layers(model)
+        for module in model.modules():
+            if isinstance(module, FusedMoE):
+                module.experts()   # the experts in their memory and the runner's layout now, while loading
 
 
 class TransformersModels(ModelImpl):

@@ -212,11 +212,12 @@ class W8A8Int8Quantization(QuantizationMethod):
 
 
     def quantize_experts(self, name: str, layer: Any) -> bool:
-        # A float checkpoint's experts: int8 weights with a scale per output channel, computed
-        # weight-only by the MoE runner (activations stay float).
-        if (getattr(self.model_config, "quantization_config", None) or {}).get("quant_method") is not None:
-            raise ValueError(f"--quantization w8a8_int8: {name}: experts stored in int8 are not read yet "
-                             "(a float checkpoint's experts are quantized at load)")
+        # int8 weights with a scale per output channel, computed weight-only by the MoE runner
+        # (activations stay float): a float checkpoint's experts quantized now, an int8
+        # checkpoint's as stored. Experts an int8 checkpoint keeps float (its `ignore`) stay so.
+        stored = (getattr(self.model_config, "quantization_config", None) or {}).get("quant_method") is not None
+        if stored and layer.stored_scales is None:
+            return False
         layer.quantize_int8()
         return True
 
