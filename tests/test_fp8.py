@@ -104,3 +104,27 @@ def test_default_model_within_the_stated_bound():
     accuracy = measure_accuracy(srv.Engine, {"dtype": "float32", "quantization": "fp8"})
     assert accuracy.top1_logprob_error <= TOP1_LOGPROB_ERROR_BOUND, accuracy
     assert accuracy.greedy_agreement >= GREEDY_AGREEMENT_BOUND, accuracy
+
+
+@pytest.mark.parametrize("kind, layout", [("qwen2_moe", "block"), ("qwen3_moe", "channel"), ("qwen3_moe", "tensor")])
+def test_fp8_moe_checkpoints_read_their_experts_as_stored(tiny_moe_models, tmp_path, kind, layout):
+    """Each expert's float8 projections and scales are read as stored and widened to float: the
+    same greedy tokens as the float checkpoint of the dequantized weights."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    dequantized = write_fp8_checkpoint(tiny_moe_models[kind], tmp_path / "fp8", layout)
+    shutil.copytree(tiny_moe_models[kind], tmp_path / "float")
+    save_file(dequantized, str(tmp_path / "float" / "model.safetensors"), metadata={"format": "pt"})
+    prompts = [[5, 6, 7, 8, 9], [100, 200, 300]]
+    params = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+    outputs = []
+    for path in ("fp8", "float"):
+        with srv.Engine(model_path=str(tmp_path / path), dtype="float32", max_total_tokens=1024) as engine:
+            if path == "fp8":
+                experts = engine.runner.model.layers[0].mlp.experts
+                assert torch.equal(experts.experts().w13[0, :4],
+                                   dequantized["model.layers.0.mlp.experts.0.gate_proj.weight"][:4])
+            outputs.append([r["output_ids"] for r in engine.generate(input_ids=prompts, sampling_params=params)])
+    assert outputs[0] == outputs[1]

@@ -403,9 +403,11 @@ class FusedMoE(nn.Module):
         self.w2_weight = nn.Parameter(torch.empty(local, hidden_size, self.inter_local), requires_grad=False)
         self.w13_scale: torch.Tensor | None = None
         self.w2_scale: torch.Tensor | None = None
-        # A checkpoint's int8 experts: their scales as loaded ([local, 2 * inter], [local, hidden]),
-        # their integer values in the float weights, until `quantize_int8` takes both.
-        self.stored_scales: tuple[torch.Tensor, torch.Tensor] | None = None
+        # A quantized checkpoint's tensors beside its experts' weights (their scales), by name
+        # ("weight_scale", "weight_scale_inv") and (local expert, shard), as stored: the weights'
+        # values load into the float weights (exactly: int8 and float8 values are floats), and
+        # the quantization method's `quantize_experts` takes both (`take_stored`).
+        self.stored: dict[str, dict[tuple[int, int], torch.Tensor]] = {}
         self._experts: ExpertWeights | None = None
         # Every logical expert's weights (this rank's features), for a placement to come.
         if backends.rebalancing:
@@ -420,14 +422,19 @@ class FusedMoE(nn.Module):
 
     def load_expert(self, name: str, expert: int, shard: int, tensor: torch.Tensor) -> bool:
         """Load checkpoint tensor `name`, shard `shard` (0 gate, 1 up, 2 down) of logical expert
-        `expert` into each of this rank's copies of it; False where it has none. A `weight_scale`
-        is an int8 checkpoint's scale per output channel ([rows, 1] or [rows]), whose int8
-        `weight` loads into the float weights exactly, for `quantize_int8` to take."""
+        `expert` into each of this rank's copies of it; False where it has none. A quantized
+        checkpoint's scales (`weight_scale`, `weight_scale_inv`, `input_scale`) are kept in
+        `stored`."""
         slots = [slot - self.expert_start for slot in range(self.expert_start, self.expert_start + self.local_experts)
                  if self.slot_logical[slot] == expert]
         inter = slice(self.inter_start, self.inter_start + self.inter_local)
-        if name.endswith("weight_scale"):
-            self._load_scale(name, slots, shard, tensor.reshape(-1), inter)
+        kind = name.rpartition(".")[2]
+        if kind.startswith(("weight_scale", "input_scale")):
+            if self.moe_tp > 1 or hasattr(self, "w13_logical"):
+                raise ValueError(f"{name}: experts stored quantized are not split across tensor-parallel ranks "
+                                 "or placed anew (--enable-eplb) yet")
+            for local in slots:
+                self.stored.setdefault(kind, {})[local, shard] = tensor
             return True
         if hasattr(self, "w13_logical"):
             if shard == 2:
@@ -445,19 +452,20 @@ class FusedMoE(nn.Module):
         self._experts = None
         return bool(slots) or hasattr(self, "w13_logical")
 
-    def _load_scale(self, name: str, slots: list[int], shard: int, scale: torch.Tensor, inter: slice) -> None:
-        if hasattr(self, "w13_logical"):
-            raise ValueError(f"{name}: experts stored in int8 are not read under --enable-eplb yet")
-        if self.stored_scales is None:
-            self.stored_scales = (torch.zeros(self.local_experts, 2 * self.inter_local),
-                                  torch.zeros(self.local_experts, self.w2_weight.shape[1]))
-        w13_scale, w2_scale = self.stored_scales
-        for local in slots:
-            if shard == 2:
-                load_weight(name, w2_scale, w2_scale[local], scale)
-            else:
-                load_weight(name, w13_scale, w13_scale[local, shard * self.inter_local:(shard + 1) * self.inter_local],
-                            scale[inter])
+    def shard_weight(self, local: int, shard: int) -> torch.Tensor:
+        """The float weight rows of local expert `local`'s shard (0 gate, 1 up, 2 down), a view."""
+        if shard == 2:
+            return self.w2_weight.data[local]
+        return self.w13_weight.data[local, shard * self.inter_local:(shard + 1) * self.inter_local]
+
+    def take_stored(self, kind: str) -> dict[tuple[int, int], torch.Tensor] | None:
+        """The checkpoint's `kind` tensors by (local expert, shard), every one of them, now
+        the method's to apply; None where the checkpoint stored none."""
+        tensors = self.stored.pop(kind, None)
+        if tensors is not None and len(tensors) != 3 * self.local_experts:
+            raise ValueError(f"layer {self.layer_id}: the checkpoint has {kind} for {len(tensors)} of the "
+                             f"{3 * self.local_experts} expert projections this rank holds")
+        return tensors
 
     def place(self, slot_logical: list[int]) -> None:
         """Hold the experts of a new placement (--enable-eplb): slot i the copy of logical expert
@@ -477,19 +485,25 @@ class FusedMoE(nn.Module):
             self.w2_weight.data = self.w2_logical[mine].contiguous()
         self._experts = None
 
-    def quantize_int8(self) -> None:
+    def quantize_int8(self, scales: dict[tuple[int, int], torch.Tensor] | None = None) -> None:
         """Store the experts as int8 with a float32 scale per output channel (symmetric, the
-        largest magnitude of a row to 127), or as the checkpoint stored them (`stored_scales`): a
+        largest magnitude of a row to 127), or as a checkpoint stored them (their integer values
+        in the float weights, `scales` [rows, 1] by (local expert, shard) from `take_stored`): a
         quantization method's `apply` calls it."""
         def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             weight = weight.float()
             scale = weight.abs().amax(dim=-1).clamp(min=1e-10) / 127.0
             return (weight / scale[..., None]).round().clamp(-127, 127).to(torch.int8), scale
 
+        if scales is not None:
+            rows = [torch.stack([torch.cat([scales[local, shard].float().reshape(-1) for shard in shards])
+                                 for local in range(self.local_experts)]) for shards in ((0, 1), (2,))]
         for index, name in enumerate(("w13", "w2")):
             weight = getattr(self, f"{name}_weight").data
-            if self.stored_scales is not None:
-                quantized, scale = weight.round().clamp(-128, 127).to(torch.int8), self.stored_scales[index]
+            if scales is not None:
+                quantized, scale = weight.round().clamp(-128, 127).to(torch.int8), rows[index]
+                if scale.shape != weight.shape[:2]:
+                    raise ValueError(f"{name} scales of shape {list(scale.shape)} for weights {list(weight.shape)}")
             else:
                 quantized, scale = quantize(weight)
             # Plain attributes: the cast to the served dtype must leave them as they are.
@@ -506,8 +520,9 @@ class FusedMoE(nn.Module):
         """The weights as the runner takes them (built once, then prepared by the runner)."""
         if self._experts is None:
             int8 = self.w13_scale is not None
-            if self.stored_scales is not None and not int8:
-                raise ValueError("the checkpoint's experts are stored in int8: serve it with --quantization w8a8_int8")
+            if self.stored:
+                raise ValueError(f"the checkpoint's experts are stored quantized ({', '.join(sorted(self.stored))} "
+                                 "beside them): serve it with the --quantization it was made for")
             # A decode step streams every expert it routes to from memory, faster from huge pages.
             if int8:
                 self.w13_int8, self.w2_int8 = in_huge_pages(self.w13_int8), in_huge_pages(self.w2_int8)

@@ -23,8 +23,9 @@ from srv.plugins.models.llama import MLP, LlamaForCausalLM
 ARCHITECTURES = {"MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM"}
 # An expert's projections as checkpoints name them -> FusedMoE's shard (0 gate, 1 up, 2 down).
 EXPERT_SHARDS = {"gate_proj": 0, "up_proj": 1, "down_proj": 2, "w1": 0, "w3": 1, "w2": 2}
-# (An int8 checkpoint adds each projection's `weight_scale`.)
-PER_EXPERT = re.compile(r"(layers\.\d+\.mlp\.experts)\.(\d+)\.(\w+)\.(weight|weight_scale)$")
+# (A quantized checkpoint adds each projection's scales: `weight_scale`, `weight_scale_inv`,
+# `input_scale`.)
+PER_EXPERT = re.compile(r"(layers\.\d+\.mlp\.experts)\.(\d+)\.(\w+)\.(weight|weight_scale\w*|input_scale)$")
 # transformers 5's in-memory layout: every expert's gate and up rows in one tensor, its downs in another.
 STACKED = re.compile(r"(layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 
@@ -92,7 +93,7 @@ class MoEForCausalLM(LlamaForCausalLM):
             prefix, expert, projection, kind = match.groups()
             layer: FusedMoE = self.get_submodule(prefix)
             layer.load_expert(name, int(expert), EXPERT_SHARDS[projection], tensor)
-            if kind == "weight_scale":
+            if kind != "weight":
                 return []
             return [f"{prefix}.w13_weight" if EXPERT_SHARDS[projection] < 2 else f"{prefix}.w2_weight"]
         match = STACKED.match(name)

@@ -131,13 +131,13 @@ class Fp8LinearMethod(LinearMethod):
         layer.register_parameter("weight", parameter(n, k, dtype=torch.float8_e4m3fn))
         blocks = 1 if self.block is None else -(-k // self.block[1])
         layer.register_parameter(self.scale_name, parameter(n, blocks, dtype=torch.float32,
-                                                            weight_loader=self._load_scale))
+                                                            weight_loader=self.load_scale))
         if self.input_scale:   # static activation scales: weight-only compute has no use for them (one
             # a row, so that a fused layer's shards each find theirs)
             layer.register_parameter("input_scale", parameter(n, dtype=torch.float32,
                                                               weight_loader=lambda rows, tensor: None))
 
-    def _load_scale(self, rows: torch.Tensor, tensor: torch.Tensor) -> None:
+    def load_scale(self, rows: torch.Tensor, tensor: torch.Tensor) -> None:
         """A checkpoint's scales onto this layer's (or shard's) rows of [rows, k-blocks]."""
         tensor = tensor.float()
         if self.layout == "tensor":
@@ -216,6 +216,25 @@ class Fp8Quantization(QuantizationMethod):
             return Fp8LinearMethod("block", self.isa, tuple(config["weight_block_size"]), "weight_scale_inv",
                                    input_scale=config.get("activation_scheme") == "static")
         return Fp8LinearMethod("tensor", self.isa, input_scale=config.get("activation_scheme") == "static")
+
+
+    def quantize_experts(self, name: str, layer: Any) -> bool:
+        # A float8 checkpoint's experts, read as stored and widened to float once loaded: no MoE
+        # runner computes float8 (no CPU has its arithmetic). A float checkpoint's stay float.
+        method = self.linear_method(name, None)
+        if method is None or method.layout == "float":
+            return False
+        scales = layer.take_stored(method.scale_name)
+        if scales is None:
+            return False
+        layer.take_stored("input_scale")   # static activation scales: weight-only compute has no use for them
+        for (local, shard), tensor in scales.items():
+            weight = layer.shard_weight(local, shard)
+            block_k = method.block_k or weight.shape[1]
+            rows = torch.empty(weight.shape[0], -(-weight.shape[1] // block_k))
+            method.load_scale(rows, tensor)
+            weight.copy_(dequantize(weight, rows, block_k, weight.dtype))
+        return True
 
 
 class W8A8Fp8Quantization(Fp8Quantization):

@@ -216,9 +216,10 @@ class W8A8Int8Quantization(QuantizationMethod):
         # (activations stay float): a float checkpoint's experts quantized now, an int8
         # checkpoint's as stored. Experts an int8 checkpoint keeps float (its `ignore`) stay so.
         stored = (getattr(self.model_config, "quantization_config", None) or {}).get("quant_method") is not None
-        if stored and layer.stored_scales is None:
+        scales = layer.take_stored("weight_scale") if stored else None
+        if stored and scales is None:
             return False
-        layer.quantize_int8()
+        layer.quantize_int8(scales)
         return True
 
 
