@@ -264,8 +264,10 @@ def random_blocks(kind: str, rows: int, columns: int, rng, largest: float = 0.3)
 
 def write_tiny_gguf(path: Path, arch: str, head_dim: int, bias: bool = False, qk_norm: bool = False,
                     untied: bool = True, down_type: str = "Q8_0", types: dict[str, str] | None = None,
-                    hidden: int = 64, ffn: int = 128) -> None:
-    """`types`: block types of other tensors (attn_q, ffn_gate, output, ...) than the defaults."""
+                    hidden: int = 64, ffn: int = 128, experts: int = 0, shared: int = 0) -> None:
+    """`types`: block types of other tensors (attn_q, ffn_gate, output, ...) than the defaults.
+    `experts`: a mixture of that many experts of width `ffn` (two chosen a token) instead of the
+    MLP, with a gated shared expert of width `shared` where it is not 0."""
     import gguf
     import numpy as np
     from gguf import GGMLQuantizationType as Q
@@ -288,6 +290,12 @@ def write_tiny_gguf(path: Path, arch: str, head_dim: int, bias: bool = False, qk
     w.add_rope_freq_base(1e6)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_vocab_size(vocab)
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(2)
+        w.add_expert_feed_forward_length(ffn)
+        if shared:
+            w.add_expert_shared_feed_forward_length(shared)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("qwen2")
     w.add_token_list(tokens)
@@ -324,6 +332,17 @@ def write_tiny_gguf(path: Path, arch: str, head_dim: int, bias: bool = False, qk
             if qk_norm and proj != "v":
                 tensor(f"blk.{i}.attn_{proj}_norm.weight", (head_dim,))
         tensor(f"blk.{i}.ffn_norm.weight", (hidden,))
+        if experts:
+            tensor(f"blk.{i}.ffn_gate_inp.weight", (experts, hidden))
+            tensor(f"blk.{i}.ffn_gate_exps.weight", (experts, ffn, hidden), Q.Q8_0)
+            tensor(f"blk.{i}.ffn_up_exps.weight", (experts, ffn, hidden), Q.F16)
+            tensor(f"blk.{i}.ffn_down_exps.weight", (experts, hidden, ffn), Q.Q8_0)
+            if shared:
+                tensor(f"blk.{i}.ffn_gate_inp_shexp.weight", (hidden,))
+                tensor(f"blk.{i}.ffn_gate_shexp.weight", (shared, hidden), Q.Q8_0)
+                tensor(f"blk.{i}.ffn_up_shexp.weight", (shared, hidden), Q.Q8_0)
+                tensor(f"blk.{i}.ffn_down_shexp.weight", (hidden, shared), Q.Q8_0)
+            continue
         tensor(f"blk.{i}.ffn_gate.weight", (ffn, hidden), Q.Q8_0)
         tensor(f"blk.{i}.ffn_up.weight", (ffn, hidden), Q.F16)
         tensor(f"blk.{i}.ffn_down.weight", (hidden, ffn), Q[down_type])
@@ -400,3 +419,34 @@ def test_a_bf16_model_loads_a_bf16_copy_of_the_converted_weights_written_once(tm
     float_model = Recorder(torch.float32)
     GGUFLoader().load(float_model, tmp_path)
     assert all(torch.equal(float_model.seen[name], weights[name]) for name in weights)
+
+
+@pytest.mark.parametrize("arch, options, hf_class", [
+    ("qwen3moe", {"qk_norm": True}, "Qwen3MoeForCausalLM"),
+    ("qwen2moe", {"bias": True, "shared": 64}, "Qwen2MoeForCausalLM"),
+])
+def test_moe_gguf_files_serve_transformers_greedy_tokens(tmp_path, arch, options, hf_class, monkeypatch):
+    """A GGUF mixture of experts (stacked experts, the router, Qwen2-MoE's gated shared expert)
+    converts to each expert's Hugging Face tensors, and srv serves the file (its experts
+    dequantized) with transformers' greedy tokens on the converted directory."""
+    import srv
+    from srv.sdk.testing.tiny_model import hf_greedy
+
+    from srv.sdk.native import cache_dir
+
+    monkeypatch.setenv("SRV_KERNEL_CACHE", str(cache_dir()))   # the built kernels, not the converted files
+    monkeypatch.setenv("SRV_CACHE_DIR", str(tmp_path / "cache"))
+    source = tmp_path / f"tiny-{arch}.gguf"
+    write_tiny_gguf(source, arch, 16, ffn=32, experts=4, **options)
+    converted = convert_gguf(source, cache_root=tmp_path / "cache")
+    config = json.loads((converted / "config.json").read_text())
+    assert (config["num_experts"], config["num_experts_per_tok"], config["moe_intermediate_size"]) == (4, 2, 32)
+    assert config.get("shared_expert_intermediate_size") == options.get("shared")
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(converted, dtype=torch.float32,
+                                                                    output_loading_info=True)
+    assert type(model).__name__ == hf_class and not any(info.values()), info
+    prompt = [1, 2, 3, 260, 261, 262]
+    with srv.Engine(model_path=str(source), dtype="float32") as engine:
+        out = engine.generate(input_ids=[prompt], sampling_params={"max_new_tokens": 6, "temperature": 0,
+                                                                   "ignore_eos": True})
+    assert out[0]["output_ids"] == hf_greedy(model.eval(), prompt, 6)

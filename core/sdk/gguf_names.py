@@ -19,14 +19,35 @@ BLOCK_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # mixtures of experts (Qwen2-MoE, Qwen3-MoE): the router, the shared expert and its gate
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+# GGUF's stacked experts ([experts, rows, columns] in one tensor) -> each expert's projection
+EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 SKIPPED = {"rope_freqs"}  # llama.cpp's precomputed rotary factors: no HF parameter
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None for tensors HF lacks."""
+def hf_expert_name(gguf_name: str, expert: int) -> str | None:
+    """`blk.3.ffn_gate_exps.weight`, expert 5 -> `model.layers.3.mlp.experts.5.gate_proj.weight`;
+    None for a tensor that holds no stacked experts."""
     base, _, suffix = gguf_name.rpartition(".")
     parts = base.split(".")
+    if parts[0] == "blk" and len(parts) == 3 and parts[2] in EXPERT_NAMES:
+        return f"model.layers.{parts[1]}.mlp.experts.{expert}.{EXPERT_NAMES[parts[2]]}.{suffix}"
+    return None
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None for tensors HF lacks
+    (and for stacked experts, which `hf_expert_name` names one by one)."""
+    base, _, suffix = gguf_name.rpartition(".")
+    parts = base.split(".")
+    if parts[0] == "blk" and len(parts) == 3 and parts[2] in EXPERT_NAMES:
+        return None
     if parts[0] == "blk" and len(parts) == 3 and parts[2] in BLOCK_NAMES:
         return f"model.layers.{parts[1]}.{BLOCK_NAMES[parts[2]]}.{suffix}"
     if base in GLOBAL_NAMES:

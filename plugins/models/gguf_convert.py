@@ -24,7 +24,7 @@ import tempfile
 import time
 from typing import Any
 
-from srv.sdk.gguf_names import hf_name, hf_row_order
+from srv.sdk.gguf_names import hf_expert_name, hf_name, hf_row_order
 from srv.sdk.paths import cache_root as srv_cache_root, write_atomically
 
 logger = logging.getLogger("srv.plugins.models.gguf")
@@ -38,6 +38,8 @@ ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "llama"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
+    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
 }
 
 
@@ -194,10 +196,17 @@ def _hf_config(meta: dict[str, Any], tensor_names: set[str], reader: Any) -> dic
         "tie_word_embeddings": "output.weight" not in tensor_names,
         "torch_dtype": "float32",
     }
-    if arch != "qwen2":  # Qwen2 always has q/k/v biases and no switch for them
+    if arch not in ("qwen2", "qwen2moe"):  # Qwen2 always has q/k/v biases and no switch for them
         config["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
     else:
         config["use_sliding_window"] = False
+    if get("expert_count"):
+        # llama.cpp rescales Qwen3-MoE's chosen weights to one and Qwen2-MoE's not, as their
+        # released configs do.
+        config.update(num_experts=get("expert_count"), num_experts_per_tok=get("expert_used_count"),
+                      moe_intermediate_size=get("expert_feed_forward_length"), norm_topk_prob=arch == "qwen3moe")
+        if get("expert_shared_feed_forward_length"):
+            config["shared_expert_intermediate_size"] = get("expert_shared_feed_forward_length")
     scaling = get("rope.scaling.type")
     if scaling and scaling != "none":
         config["rope_scaling"] = {"rope_type": scaling, "factor": get("rope.scaling.factor", 1.0)}
@@ -222,11 +231,18 @@ def _write_weights(reader: Any, config: dict[str, Any], arch: str, target: pathl
     tensors = {}
     for tensor in tqdm(reader.tensors, desc="Dequantizing GGUF", unit="tensor", disable=None):
         name = hf_name(tensor.name)
+        shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists dimensions innermost first
+        if name is None and hf_expert_name(tensor.name, 0) is not None:   # each expert its own tensor
+            weights = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(shape)
+            for expert in range(shape[0]):
+                tensors[hf_expert_name(tensor.name, expert)] = torch.from_numpy(weights[expert].copy())
+            continue
         if name is None:
             continue
-        shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists dimensions innermost first
         weights = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(shape)
         weights = hf_row_order(tensor.name, weights, arch, config)
+        if name.endswith("shared_expert_gate.weight"):   # GGUF keeps the one-output gate as a vector
+            weights = weights.reshape(1, -1)
         if not (weights.flags.writeable and weights.flags.c_contiguous):
             weights = weights.copy()
         tensors[name] = torch.from_numpy(weights)
