@@ -424,6 +424,7 @@ def test_a_bf16_model_loads_a_bf16_copy_of_the_converted_weights_written_once(tm
 @pytest.mark.parametrize("arch, options, hf_class", [
     ("qwen3moe", {"qk_norm": True}, "Qwen3MoeForCausalLM"),
     ("qwen2moe", {"bias": True, "shared": 64}, "Qwen2MoeForCausalLM"),
+    ("llama", {}, "MixtralForCausalLM"),
 ])
 def test_moe_gguf_files_serve_transformers_greedy_tokens(tmp_path, arch, options, hf_class, monkeypatch):
     """A GGUF mixture of experts (stacked experts, the router, Qwen2-MoE's gated shared expert)
@@ -440,7 +441,10 @@ def test_moe_gguf_files_serve_transformers_greedy_tokens(tmp_path, arch, options
     write_tiny_gguf(source, arch, 16, ffn=32, experts=4, **options)
     converted = convert_gguf(source, cache_root=tmp_path / "cache")
     config = json.loads((converted / "config.json").read_text())
-    assert (config["num_experts"], config["num_experts_per_tok"], config["moe_intermediate_size"]) == (4, 2, 32)
+    if arch == "llama":
+        assert (config["num_local_experts"], config["num_experts_per_tok"], config["intermediate_size"]) == (4, 2, 32)
+    else:
+        assert (config["num_experts"], config["num_experts_per_tok"], config["moe_intermediate_size"]) == (4, 2, 32)
     assert config.get("shared_expert_intermediate_size") == options.get("shared")
     model, info = transformers.AutoModelForCausalLM.from_pretrained(converted, dtype=torch.float32,
                                                                     output_loading_info=True)

@@ -177,6 +177,9 @@ def _hf_config(meta: dict[str, Any], tensor_names: set[str], reader: Any) -> dic
     def get(key: str, default: Any = None) -> Any:
         return meta.get(f"{arch}.{key}", default)
 
+    if arch == "llama" and get("expert_count"):   # llama.cpp writes Mixtral as a Llama with experts
+        hf_class, model_type = "MixtralForCausalLM", "mixtral"
+
     heads, hidden = get("attention.head_count"), get("embedding_length")
     config: dict[str, Any] = {
         "architectures": [hf_class],
@@ -200,7 +203,10 @@ def _hf_config(meta: dict[str, Any], tensor_names: set[str], reader: Any) -> dic
         config["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
     else:
         config["use_sliding_window"] = False
-    if get("expert_count"):
+    if model_type == "mixtral":   # its experts' width is the MLP's, and its weights always sum to one
+        config.update(num_local_experts=get("expert_count"), num_experts_per_tok=get("expert_used_count"),
+                      intermediate_size=get("expert_feed_forward_length") or get("feed_forward_length"))
+    elif get("expert_count"):
         # llama.cpp rescales Qwen3-MoE's chosen weights to one and Qwen2-MoE's not, as their
         # released configs do.
         config.update(num_experts=get("expert_count"), num_experts_per_tok=get("expert_used_count"),
@@ -235,7 +241,8 @@ def _write_weights(reader: Any, config: dict[str, Any], arch: str, target: pathl
         if name is None and hf_expert_name(tensor.name, 0) is not None:   # each expert its own tensor
             weights = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(shape)
             for expert in range(shape[0]):
-                tensors[hf_expert_name(tensor.name, expert)] = torch.from_numpy(weights[expert].copy())
+                tensors[mixtral_name(hf_expert_name(tensor.name, expert), config)] = \
+                    torch.from_numpy(weights[expert].copy())
             continue
         if name is None:
             continue
@@ -245,11 +252,25 @@ def _write_weights(reader: Any, config: dict[str, Any], arch: str, target: pathl
             weights = weights.reshape(1, -1)
         if not (weights.flags.writeable and weights.flags.c_contiguous):
             weights = weights.copy()
-        tensors[name] = torch.from_numpy(weights)
+        tensors[mixtral_name(name, config)] = torch.from_numpy(weights)
     save_file(tensors, str(target), metadata={"format": "pt"})
     os.chmod(target, (target.parent / "config.json").stat().st_mode & 0o777)  # safetensors writes 0600
     size = sum(t.numel() for t in tensors.values()) * 4
     logger.info("wrote %d float32 tensors (%.0f MB) to %s", len(tensors), size / 1e6, target.name)
+
+
+MIXTRAL_EXPERTS = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}
+
+
+def mixtral_name(name: str, config: dict[str, Any]) -> str:
+    """A sparse block's tensor as Mixtral's checkpoints name it (`block_sparse_moe`, experts'
+    `w1`, `w2`, `w3`); other models' names as they are."""
+    if config["model_type"] != "mixtral" or ".mlp." not in name:
+        return name
+    name = name.replace(".mlp.", ".block_sparse_moe.")
+    head, _, leaf = name.rpartition(".")
+    module, _, projection = head.rpartition(".")
+    return f"{module}.{MIXTRAL_EXPERTS.get(projection, projection)}.{leaf}" if ".experts." in name else name
 
 
 def _write_tokenizer(path: pathlib.Path, out: pathlib.Path) -> None:
