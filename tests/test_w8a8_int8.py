@@ -241,6 +241,12 @@ def test_int8_moe_experts_need_the_int8_method(tiny_moe_models, tmp_path):
             engine.generate(input_ids=[[5, 6, 7]], sampling_params={"max_new_tokens": 2})
 
 
+def test_a_stored_int8_checkpoint_without_its_method_says_so(tiny_models, tmp_path):
+    path = write_int8_checkpoint(tiny_models["llama"], tmp_path / "stored", {"quant_method": "w8a8_int8"})
+    with pytest.raises(ValueError, match="weight_scale.* quantized checkpoint's; serve it with the --quantization"):
+        srv.Engine(model_path=str(path), dtype="float32", quantization="none")
+
+
 def test_a_stored_int8_checkpoint_is_refused_under_tensor_parallelism(tiny_models, tmp_path):
     """Its per-channel scales are not cut by input yet: tp > 1 takes float checkpoints only."""
     path = write_int8_checkpoint(tiny_models["llama"], tmp_path / "stored", {"quant_method": "w8a8_int8"})

@@ -496,6 +496,10 @@ class LlamaForCausalLM(nn.Module):
             parent, _, proj = module_path.rpartition(".")
             if proj in self.FUSED:
                 fused, shard = self.FUSED[proj]
+                if f"{parent}.{fused}.{leaf}" not in params:
+                    raise ValueError(f"checkpoint tensor {name!r} has no parameter in this model" + (
+                        "" if leaf in ("weight", "bias") else ": it is a quantized checkpoint's; serve it with the "
+                        "--quantization its config.json's quantization_config names"))
                 target = params[f"{parent}.{fused}.{leaf}"]
                 load_shard(name, self.get_submodule(f"{parent}.{fused}"), target,
                            self._fused_shard(target, fused, shard, parent), tensor, shard)
