@@ -403,8 +403,8 @@ class FusedMoE(nn.Module):
         self.w2_weight = nn.Parameter(torch.empty(local, hidden_size, self.inter_local), requires_grad=False)
         self.w13_scale: torch.Tensor | None = None
         self.w2_scale: torch.Tensor | None = None
-        # A quantized checkpoint's tensors beside its experts' weights (their scales), by name
-        # ("weight_scale", "weight_scale_inv") and (local expert, shard), as stored: the weights'
+        # A quantized checkpoint's tensors beside its experts' weights, by name ("weight_scale",
+        # "weight_scale_inv", "input_scale") and (local expert, shard), as stored: the weights'
         # values load into the float weights (exactly: int8 and float8 values are floats), and
         # the quantization method's `quantize_experts` takes both (`take_stored`).
         self.stored: dict[str, dict[tuple[int, int], torch.Tensor]] = {}
