@@ -435,7 +435,7 @@ class FusedMoE(nn.Module):
                                  "or placed anew (--enable-eplb) yet")
             for local in slots:
                 self.stored.setdefault(kind, {})[local, shard] = tensor
-            return True
+            return bool(slots)
         if hasattr(self, "w13_logical"):
             if shard == 2:
                 load_weight(name, self.w2_logical, self.w2_logical[expert], tensor[:, inter])

@@ -319,16 +319,19 @@ static void expert_products(const MoEArgs *a, const void *w, const float *scale,
     uint32_t *packed = NULL;
     int64_t *packed_at = NULL;
     if (isa == ISA_AMX && bf16_rows(a->weight_type) && len % 32 == 0) {
+        /* Without the memory for them the vector bodies compute it all. */
         packed_at = malloc(sizeof(int64_t) * (size_t)(a->local + 1));
-        packed_at[0] = 0;
-        for (int64_t e = 0; e < a->local; e++) {
-            const int64_t n = offsets[e + 1] - offsets[e];
-            packed_at[e + 1] = packed_at[e] + (n + SRV_AMX_TILE - 1) / SRV_AMX_TILE * SRV_AMX_TILE * len / 2;
+        if (packed_at) {
+            packed_at[0] = 0;
+            for (int64_t e = 0; e < a->local; e++) {
+                const int64_t n = offsets[e + 1] - offsets[e];
+                packed_at[e + 1] = packed_at[e] + (n + SRV_AMX_TILE - 1) / SRV_AMX_TILE * SRV_AMX_TILE * len / 2;
+            }
+            packed = malloc(sizeof(uint32_t) * (size_t)(packed_at[a->local] ? packed_at[a->local] : 1));
         }
-        packed = malloc(sizeof(uint32_t) * (size_t)(packed_at[a->local] ? packed_at[a->local] : 1));
-        if (!packed || !packed_at) {
-            free(packed); free(packed_at);
-            packed = NULL; packed_at = NULL;
+        if (!packed) {
+            free(packed_at);
+            packed_at = NULL;
         } else {
             for (int64_t e = 0; e < a->local; e++)
                 if (offsets[e + 1] > offsets[e])
