@@ -18,7 +18,7 @@ from srv.sdk.attention import ForwardBatch
 from srv.sdk import packed_linear
 from srv.sdk.packed_linear import NATIVE_ROWS, PackedLinear, can_pack, pack_linear_layers
 from srv.sdk.testing.attention import BATCHES, make_case
-from srv.sdk.native import HUGE_PAGE, NativeBuildError, in_huge_pages, load_c_library
+from srv.sdk.native import HUGE_PAGE, NativeBuildError, in_huge_pages, load_c_library, together_in_huge_pages
 from srv.sdk.paths import write_atomically
 
 
@@ -57,6 +57,19 @@ def test_a_tensor_copied_into_huge_pages_is_equal_aligned_and_outlives_its_origi
     copy.add_(1)   # writable, its own memory
     small = torch.ones(10)
     assert in_huge_pages(small) is small
+
+
+def test_tensors_copied_together_into_huge_pages_lie_back_to_back_in_order():
+    tensors = [torch.randn(700, 1000), torch.randint(-127, 128, (3, 33), dtype=torch.int8),
+               torch.randn(500, 576).to(torch.bfloat16)]
+    copies = together_in_huge_pages(tensors)
+    assert all(torch.equal(c, t) and c.dtype == t.dtype and c is not t for c, t in zip(copies, tensors))
+    assert copies[0].data_ptr() % HUGE_PAGE == 0
+    for before, after in zip(copies, copies[1:]):   # each at the next cache line past the one before
+        end = before.data_ptr() + before.numel() * before.element_size()
+        assert after.data_ptr() == -(-end // 64) * 64
+    small = [torch.ones(10), torch.ones(20)]
+    assert all(c is t for c, t in zip(together_in_huge_pages(small), small))
 
 
 def test_write_atomically_replaces_whole_files_and_leaves_nothing_on_failure(tmp_path):

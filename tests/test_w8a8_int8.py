@@ -199,7 +199,15 @@ def test_default_model_within_the_stated_bound(dtype):
     continuations of eight prompts (32 tokens each), the top-1 log-probability error and the share
     of agreeing greedy tokens; served in float32, and as `--dtype auto` serves it (bf16 where the
     CPU computes bf16)."""
-    accuracy = measure_accuracy(srv.Engine, {"dtype": dtype, "quantization": "w8a8_int8"})
+    def engine(**kwargs):
+        made = srv.Engine(**kwargs)
+        if kwargs.get("quantization") == "w8a8_int8":   # the layers' weights lie back to back, in layer order
+            weights = [m.int8.q for m in made.runner.model.modules() if isinstance(getattr(m, "int8", None), Int8Weight)]
+            ends = [w.data_ptr() + w.numel() for w in weights]
+            assert [w.data_ptr() for w in weights[1:]] == [-(-end // 64) * 64 for end in ends[:-1]]
+        return made
+
+    accuracy = measure_accuracy(engine, {"dtype": dtype, "quantization": "w8a8_int8"})
     assert accuracy.positions == 8 * 32
     assert accuracy.top1_logprob_error <= TOP1_LOGPROB_ERROR_BOUND, accuracy
     assert accuracy.greedy_agreement >= GREEDY_AGREEMENT_BOUND, accuracy

@@ -26,6 +26,7 @@ import logging
 import os
 import shutil
 import subprocess
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -91,6 +92,7 @@ def pick_isa(ladder: dict[str, tuple[str, ...]], override: str) -> str:
 
 
 HUGE_PAGE = 2 << 20
+CACHE_LINE = 64
 
 
 def in_huge_pages(tensor: torch.Tensor) -> torch.Tensor:
@@ -99,20 +101,33 @@ def in_huge_pages(tensor: torch.Tensor) -> torch.Tensor:
     the hardware prefetchers stop at every page's end and each page takes a TLB entry. The tensor
     itself where it is under 2 MB or the OS has no such advice; where huge pages are off (or none
     is free), the copy is in ordinary pages and nothing else changes."""
+    return together_in_huge_pages([tensor])[0]
+
+
+def together_in_huge_pages(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """in_huge_pages for many tensors at once, back to back in one mapping in the order given (each
+    at a cache line): the weights of layers too small for a huge page of their own, placed in the
+    order a decode step reads them. The tensors themselves where all of them come to under 2 MB."""
     import mmap
 
     import torch
 
-    size = tensor.numel() * tensor.element_size()
-    if size < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return tensor
-    region = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    region.madvise(mmap.MADV_HUGEPAGE)   # before the copy touches it: the pages are huge from the first fault
-    raw = torch.frombuffer(region, dtype=torch.uint8)   # the tensor keeps the mapping alive
-    start = -raw.data_ptr() % HUGE_PAGE
-    out = raw[start:start + size].view(tensor.dtype).view(tensor.shape)
-    out.copy_(tensor)
-    return out
+    sizes = [t.numel() * t.element_size() for t in tensors]
+    starts = [0]
+    for size in sizes:
+        starts.append(starts[-1] + -(-size // CACHE_LINE) * CACHE_LINE)
+    if starts[-1] < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return list(tensors)
+    region = mmap.mmap(-1, starts[-1] + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    region.madvise(mmap.MADV_HUGEPAGE)   # before the copies touch it: the pages are huge from the first fault
+    raw = torch.frombuffer(region, dtype=torch.uint8)   # each copy keeps the mapping alive
+    base = -raw.data_ptr() % HUGE_PAGE
+    copies = []
+    for tensor, start, size in zip(tensors, starts, sizes):
+        copy = raw[base + start:base + start + size].view(tensor.dtype).view(tensor.shape)
+        copy.copy_(tensor)
+        copies.append(copy)
+    return copies
 
 
 def has_forward_hooks(model: Any) -> bool:

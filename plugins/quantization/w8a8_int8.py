@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from srv.sdk.linear import Linear, LinearMethod, parameter
-from srv.sdk.native import NativeKernel, load_c_library, pick_isa
+from srv.sdk.native import NativeKernel, load_c_library, pick_isa, together_in_huge_pages
 from srv.sdk.quantization import (QuantizationMethod, checkpoint_quantization_config,
                                   compressed_tensors_scheme, kept_float)
 
@@ -123,6 +123,10 @@ class Int8Weight:
         # The product of a model served in bf16: its rows rounded to bf16 first, as its forward has them.
         self.bf16_kernel = NativeKernel.of(kernels().srv_int8_linear, self.bf16_context)
         self.isa = isa
+
+    def with_weights(self, q: torch.Tensor) -> Int8Weight:
+        """The same layer with `q` (equal to this one's) as its int8 weights."""
+        return Int8Weight(q, self.scale, self.bias, self.isa)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] float32 contiguous -> [M, N] float32."""
@@ -210,6 +214,16 @@ class W8A8Int8Quantization(QuantizationMethod):
             return None
         return Int8LinearMethod(stored=True, isa=self.isa)
 
+
+    def apply(self, model: nn.Module) -> int:
+        """Every layer's int8 weights, then all of them together in huge pages, in the order the
+        layers run: one-row decode steps read them at the memory's pace, and with 4 KB pages
+        the prefetchers stopped at each page's end."""
+        replaced = super().apply(model)
+        layers = [m for m in model.modules() if isinstance(getattr(m, "int8", None), Int8Weight)]
+        for layer, q in zip(layers, together_in_huge_pages([layer.int8.q for layer in layers])):
+            layer.int8 = layer.int8.with_weights(q)
+        return replaced
 
     def quantize_experts(self, name: str, layer: Any) -> bool:
         # int8 weights with a scale per output channel, computed weight-only by the MoE runner
