@@ -29,6 +29,7 @@ Checkpoints:
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import functools
 import logging
@@ -114,19 +115,26 @@ class Int8Weight:
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.weight_sums = self.q.sum(1, dtype=torch.int32)
         self.out_features, self.in_features = self.q.shape
+        self.isa = isa
+        self._bind()
+
+    def _bind(self) -> None:
+        """The C kernel's contexts, at the tensors' addresses as they are now."""
         bias_address = None if self.bias is None else self.bias.data_ptr()
         self.context, self.bf16_context = (
-            Int8LinearContext(ISAS[isa], self.in_features, self.out_features, self.q.data_ptr(), self.scale.data_ptr(),
-                              bias_address, self.weight_sums.data_ptr(), bf16_rows)
+            Int8LinearContext(ISAS[self.isa], self.in_features, self.out_features, self.q.data_ptr(),
+                              self.scale.data_ptr(), bias_address, self.weight_sums.data_ptr(), bf16_rows)
             for bf16_rows in (0, 1))
         self.kernel = NativeKernel.of(kernels().srv_int8_linear, self.context)
         # The product of a model served in bf16: its rows rounded to bf16 first, as its forward has them.
         self.bf16_kernel = NativeKernel.of(kernels().srv_int8_linear, self.bf16_context)
-        self.isa = isa
 
     def with_weights(self, q: torch.Tensor) -> Int8Weight:
-        """The same layer with `q` (equal to this one's) as its int8 weights."""
-        return Int8Weight(q, self.scale, self.bias, self.isa)
+        """The same layer with `q` (equal to this one's, elsewhere in memory) as its int8 weights."""
+        moved = copy.copy(self)
+        moved.q = q
+        moved._bind()
+        return moved
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] float32 contiguous -> [M, N] float32."""
