@@ -322,10 +322,13 @@ def one_request(batch: ForwardBatch, i: int) -> ForwardBatch:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
                          ids=["float32", "bfloat16", "float16"])
-def test_decode_attention_over_a_shared_prefix_gives_each_request_its_output_alone(dtype):
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(8, 2), (9, 3), (8, 1)],
+                         ids=["kv-heads-2", "kv-heads-3", "kv-heads-1"])
+def test_decode_attention_over_a_shared_prefix_gives_each_request_its_output_alone(dtype, num_heads, num_kv_heads):
     """Requests whose slot tables begin alike attend in groups, the shared keys and values read
-    once a group; each request's output must be, to the bit, what it is in a batch of its own."""
-    case = make_case(BATCHES["shared_prefix_decode"], dtype=dtype)
+    once a group; each request's output must be, to the bit, what it is in a batch of its own
+    (where KV heads that do not split evenly over the threads are cut in parts: attend_alone)."""
+    case = make_case(BATCHES["shared_prefix_decode"], num_heads=num_heads, num_kv_heads=num_kv_heads, dtype=dtype)
     used = set(case.kv_slots.flatten().tolist())
     unused = [s for s in range(16, case.k_buffers[0].shape[0]) if s not in used]
     case.kv_slots[3, :128] = torch.tensor(unused[:128])   # request 3 shares nothing: the groups break there

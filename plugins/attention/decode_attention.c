@@ -6,7 +6,8 @@
  * and one for values (kv_format; srv.sdk.attention.KVCache); kv_slots [B][stride] int64, the first seq_lens[b] of row b are
  * the request's tokens; out [B][H][D] float32. The H / KVH query heads of a KV head read its
  * keys and values together, and so do the requests of a group that share a prefix of slots
- * (RequestGroup). Threads: OpenMP over (group, KV head), in torch's runtime.
+ * (RequestGroup). Threads: OpenMP over (group, KV head), in torch's runtime; a request alone
+ * over parts of each KV head (attend_alone).
  *
  * With k_new and v_new ([B][KVH][D] float32, tokens new_stride floats apart), this step's keys
  * and values are first written to the cache at new_slots, in its format: one call a layer
@@ -311,35 +312,40 @@ INLINE void chunk_values(const float *p, const float *const *values, int64_t len
         FOR_VECTORS(vectors, statement)                                                                   \
     }
 
-/* `statement` for each chunk of a head of size d: `offset`, `tail`, VECTORS and MASKED set. */
-#define FOR_EACH_CHUNK(d, statement)                                                                      \
-    for (int64_t offset = 0; offset < (d); offset += 8 * CHUNK) {                                         \
-        const int64_t left = (d) - offset, vectors = left >= 8 * CHUNK ? CHUNK : (left + 7) / 8;          \
+/* `statement` for each chunk of a head's values [first, end) (first a multiple of 8): `offset`,
+ * `tail`, VECTORS and MASKED set. */
+#define FOR_EACH_CHUNK_IN(first, end, statement)                                                          \
+    for (int64_t offset = (first); offset < (end); offset += 8 * CHUNK) {                                 \
+        const int64_t left = (end) - offset, vectors = left >= 8 * CHUNK ? CHUNK : (left + 7) / 8;        \
         const __m256i tail = lane_mask(left - 8 * (vectors - 1));                                         \
         FOR_CHUNK(vectors, left % 8, statement)                                                           \
     }
 
+/* `statement` for each chunk of a head of size d. */
+#define FOR_EACH_CHUNK(d, statement) FOR_EACH_CHUNK_IN(0, d, statement)
+
 /* Pointers to one block's rows, [start, stop) of a request's keys or values for one KV head, at
- * rows[0, stop - start): in place in a float32 cache, else widened into `widened` [TOKEN_BLOCK][d];
- * entries on to a multiple of 8 repeat the first. Widened a block at a time, the rows
+ * rows[0, stop - start): in place in a float32 cache, else widened into `widened` [TOKEN_BLOCK][d]
+ * (only the row's values [first, first + width), where the rest go unread); entries on to a
+ * multiple of 8 repeat the first. Widened a block at a time, the rows
  * are still in L1 when the query heads read them (widening a request's whole length first sent
  * them out to L2 and back, which cost more than the arithmetic). Rows are scattered over the
  * cache, so each is fetched some tokens ahead, across blocks up to the request's `len`. */
 static void block_rows(const void *cache, int kv_format, float scale, const int64_t *slots, int64_t start,
-                       int64_t stop, int64_t len, int64_t kv_heads, int64_t kvh, int64_t d, float *widened,
-                       const float **rows) {
+                       int64_t stop, int64_t len, int64_t kv_heads, int64_t kvh, int64_t d, int64_t first,
+                       int64_t width, float *widened, const float **rows) {
     for (int64_t t = start; t < stop; t++) {
         if (kv_format != KV_FLOAT32 && t + WIDEN_AHEAD < len)
-            prefetch_row(cache, (slots[t + WIDEN_AHEAD] * kv_heads + kvh) * d, kv_format, d);
+            prefetch_row(cache, (slots[t + WIDEN_AHEAD] * kv_heads + kvh) * d + first, kv_format, width);
         const int64_t offset = (slots[t] * kv_heads + kvh) * d;
         float *row = widened + (t - start) * d;
         if (kv_format == KV_FLOAT32) {
             rows[t - start] = (const float *)cache + offset;
         } else {
             if (is_float8(kv_format))
-                widen_float8_row((const uint8_t *)cache + offset, kv_format, d, scale, row);
+                widen_float8_row((const uint8_t *)cache + offset + first, kv_format, width, scale, row + first);
             else
-                widen_row((const uint16_t *)cache + offset, kv_format, d, row);
+                widen_row((const uint16_t *)cache + offset + first, kv_format, width, row + first);
             rows[t - start] = row;
         }
     }
@@ -413,7 +419,7 @@ static void attend_group(const RequestGroup *group, int64_t kvh, const float *q,
     for (int pass = 0; pass < 2; pass++) {
         const void *cache = pass == 0 ? k_cache : v_cache;
         for (int64_t t0 = 0; t0 < shared; t0 += TOKEN_BLOCK) {
-            block_rows(cache, kv_format, scales[pass], SLOTS(0), t0, t0 + TOKEN_BLOCK, shared, kv_heads, kvh, d,
+            block_rows(cache, kv_format, scales[pass], SLOTS(0), t0, t0 + TOKEN_BLOCK, shared, kv_heads, kvh, d, 0, d,
                        s->widened, s->rows);
             for (int64_t m = 0; m < group->count; m++)
                 for (int64_t g = 0; g < per_kv; g++) {
@@ -431,7 +437,7 @@ static void attend_group(const RequestGroup *group, int64_t kvh, const float *q,
             for (int64_t t0 = shared; t0 < end; t0 += TOKEN_BLOCK) {
                 const int64_t count = end - t0 < TOKEN_BLOCK ? end - t0 : TOKEN_BLOCK;
                 block_rows(cache, kv_format, scales[pass], SLOTS(m), t0, t0 + count < len ? t0 + count : len, len,
-                           kv_heads, kvh, d, s->widened, s->rows);
+                           kv_heads, kvh, d, 0, d, s->widened, s->rows);
                 for (int64_t g = 0; g < per_kv; g++) {
                     if (pass == 0)
                         FOR_EACH_CHUNK(d, chunk_scores(QUERY(m, g) + offset, rows, count, offset, tail, offset > 0,
@@ -451,6 +457,60 @@ static void attend_group(const RequestGroup *group, int64_t kvh, const float *q,
 #undef SLOTS
 }
 
+/* A request alone in its step (a batch of one) when its KV heads do not split evenly over the
+ * threads (3 heads on 2 threads: one thread did two heads' work while the other waited): each
+ * KV head's work is cut in `parts`, so that the threads get equal shares, in three passes with a
+ * barrier between them: the scores, each part a range of the tokens; the softmax, a head at a
+ * time; the weighted sum of values, each part a range of the head's values (each thread widens
+ * only the values it reads). Every score, probability and output value is summed in the order
+ * attend_group sums it, so a request's output is the same to the bit in a batch or alone. */
+static void attend_alone(const float *q, const void *k_cache, const void *v_cache, int kv_format,
+                         const float scales[2], const int64_t *slots, int64_t len, int64_t heads, int64_t kv_heads,
+                         int64_t d, float scale, int64_t parts, float *out) {
+    const int64_t per_kv = heads / kv_heads, longest = (len + 7) / 8 * 8;
+    const int64_t span = ((longest + parts - 1) / parts + 7) / 8 * 8;          /* tokens a part, scores */
+    const int64_t width = ((d + 7) / 8 + parts - 1) / parts * 8;               /* values a part, sums */
+    float *scores = malloc((size_t)(heads * longest) * sizeof(float));
+#define SCORES(g) (scores + (kvh * per_kv + (g)) * longest)
+#pragma omp parallel
+    {
+        const float **rows = malloc(TOKEN_BLOCK * sizeof(float *));
+        float *widened = kv_format == KV_FLOAT32 ? NULL : malloc(TOKEN_BLOCK * d * sizeof(float));
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < kv_heads * parts; task++) {
+            const int64_t kvh = task / parts, part = task % parts;
+            const int64_t end = (part + 1) * span < longest ? (part + 1) * span : longest;
+            for (int64_t t0 = part * span; t0 < end; t0 += TOKEN_BLOCK) {
+                const int64_t count = end - t0 < TOKEN_BLOCK ? end - t0 : TOKEN_BLOCK;
+                block_rows(k_cache, kv_format, scales[0], slots, t0, t0 + count < len ? t0 + count : len, len, kv_heads,
+                           kvh, d, 0, d, widened, rows);
+                for (int64_t g = 0; g < per_kv; g++)
+                    FOR_EACH_CHUNK(d, chunk_scores(q + (kvh * per_kv + g) * d + offset, rows, count, offset, tail,
+                                                   offset > 0, g == 0, SCORES(g) + t0, VECTORS, MASKED))
+            }
+        }
+#pragma omp for schedule(static)
+        for (int64_t h = 0; h < heads; h++) softmax(scores + h * longest, len, scale);
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < kv_heads * parts; task++) {
+            const int64_t kvh = task / parts, first = task % parts * width;
+            const int64_t end = first + width < d ? first + width : d;
+            for (int64_t t0 = 0; t0 < len && first < end; t0 += TOKEN_BLOCK) {
+                const int64_t count = len - t0 < TOKEN_BLOCK ? len - t0 : TOKEN_BLOCK;
+                block_rows(v_cache, kv_format, scales[1], slots, t0, t0 + count, len, kv_heads, kvh, d, first,
+                           end - first, widened, rows);
+                for (int64_t g = 0; g < per_kv; g++)
+                    FOR_EACH_CHUNK_IN(first, end, chunk_values(SCORES(g) + t0, rows, count, offset, tail, t0 > 0, g == 0,
+                                                                out + (kvh * per_kv + g) * d, VECTORS, MASKED))
+            }
+        }
+        free((void *)rows);
+        free(widened);
+    }
+#undef SCORES
+    free(scores);
+}
+
 static void decode_attention(const float *q, int64_t q_stride, const float *k_new, const float *v_new,
                              int64_t new_stride, const int64_t *new_slots, void *k_cache, void *v_cache,
                              int kv_format, const float scales[2], const int64_t *kv_slots, int64_t stride, const int64_t *seq_lens,
@@ -458,6 +518,15 @@ static void decode_attention(const float *q, int64_t q_stride, const float *k_ne
                              int64_t kv_heads, int64_t d, float scale, float *out) {
     if (k_new != NULL)
         store_new(k_new, v_new, new_stride, new_slots, k_cache, v_cache, kv_format, scales, batch, kv_heads, d);
+    const int threads = omp_get_max_threads();
+    if (batch == 1 && threads > 1 && kv_heads % threads) {
+        int64_t parts = threads;   /* the fewest that make kv_heads * parts a multiple of threads */
+        for (int64_t p = 1; p < threads; p++)
+            if (kv_heads * p % threads == 0) { parts = p; break; }
+        attend_alone(q, k_cache, v_cache, kv_format, scales, kv_slots, seq_lens[0], heads, kv_heads, d, scale, parts,
+                     out);
+        return;
+    }
     int64_t longest = 8, members = 1;
     for (int64_t b = 0; b < batch; b++) longest = seq_lens[b] > longest ? seq_lens[b] : longest;
     for (int64_t i = 0; i < group_count; i++) members = groups[i].count > members ? groups[i].count : members;
