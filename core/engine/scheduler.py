@@ -305,8 +305,8 @@ class Scheduler:
 
     def _reserve_all(self, wanted: list[tuple[Req, int]]) -> None:
         """Give each (request, length) cache slots for the request's first `length` tokens (whole
-        pages): all of them, or none and OutOfKVMemory. One table write for the lot, where a
-        decode step used to make four tensor operations a request."""
+        pages): all of them, or none and OutOfKVMemory. Written through the table's NumPy view, a
+        request's slots at a time (see ReqToTokenPool.array)."""
         page = self.allocator.page_size
         needs = [(req, pages) for req, new_len in wanted if (pages := -(-new_len // page) - req.allocated // page) > 0]
         total = sum(pages for _, pages in needs)
@@ -314,17 +314,13 @@ class Scheduler:
             return
         if not self._make_room(total * page):
             raise OutOfKVMemory
-        pages = torch.tensor(self.allocator.allocate_pages(total))
-        rows: list[int] = []
-        columns: list[int] = []
+        pages = self.allocator.allocate_pages(total)
+        taken = 0
         for req, count in needs:
-            count *= page
-            rows += [req.row] * count
-            columns += range(req.allocated, req.allocated + count)
-            req.allocated += count
-        # page-major, as `needs` lists the requests: slot k is column k's
-        slots = (pages[:, None] * page + torch.arange(page)[None, :]).flatten()
-        self.req_pool.table[torch.tensor(rows), torch.tensor(columns)] = slots
+            self.req_pool.write(req.row, req.allocated, [p * page + k for p in pages[taken:taken + count]
+                                                         for k in range(page)])
+            taken += count
+            req.allocated += count * page
 
     def _admit(self, req: Req) -> None:
         """Give a waiting request a table row and its cached prefix."""
