@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from srv.plugins.sampling.pytorch_sampler import PyTorchSampler
+from srv.plugins.sampling.pytorch_sampler import PyTorchSampler, _argmax_kernel, first_argmax
 from srv.sdk.sampling import SampleOutput, SamplingBatch, SamplingParams
 
 V = 8
@@ -53,6 +53,36 @@ def test_greedy_ties_take_the_first_largest_as_argmax_does(sampler, rows):
     out = sampler.sample(logits, make_batch([SamplingParams(temperature=0.0)] * rows))
     assert torch.equal(out.next_token_ids, torch.argmax(logits, -1))
     assert int(out.next_token_ids[0]) == 40
+
+
+@pytest.mark.parametrize("body", [0, 1, 2], ids=["c", "avx2", "avx512"])
+def test_greedy_kernel_takes_the_first_largest_on_every_body(body):
+    """argmax.c's bodies (a body the CPU lacks runs its best instead): ties, NaNs, infinities,
+    signed zeros, rows shorter than a vector and rows apart in memory, against torch.max."""
+    kernel = _argmax_kernel()
+    if kernel is None:
+        pytest.skip("no C compiler")
+    g = torch.Generator().manual_seed(body)
+    kernel.srv_argmax_set_body(body)
+    try:
+        for rows, n in [(1, 49152), (3, 1001), (2, 17), (1, 1), (5, 7)]:
+            for case in range(5):
+                x = torch.randn(rows, n, generator=g)
+                if case == 1:
+                    x = torch.randint(-3, 3, (rows, n), generator=g).float()
+                elif case == 2:
+                    x[:, ::5] = float("nan")
+                elif case == 3:
+                    x.fill_(-math.inf)
+                    x[-1, n // 2] = math.inf
+                elif case == 4:
+                    x.fill_(0.0)
+                    x[:, ::2] = -0.0
+                assert torch.equal(first_argmax(x), x.max(dim=-1).indices), (rows, n, case)
+        wide = torch.randn(4, 300, generator=g)[:, 10:290]
+        assert torch.equal(first_argmax(wide), wide.max(dim=-1).indices)
+    finally:
+        kernel.srv_argmax_set_body(-1)
 
 
 def test_input_logits_are_not_modified(sampler):

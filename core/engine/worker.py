@@ -184,7 +184,7 @@ class Worker:
                 prefix_lens.append(req.kv_len)
                 extends.append(extend)
         lengths = torch.tensor(lens)
-        max_len = int(lengths.max())
+        max_len = max(lens)
         # Past its own tokens a row may hold slots reserved for later ones, never written yet
         # (or a verify row's later drafts): point them at slot 0 as ForwardBatch promises, or
         # masked attention would read garbage.

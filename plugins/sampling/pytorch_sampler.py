@@ -1,4 +1,5 @@
-"""A batched, pure-PyTorch sampler following SGLang / Hugging Face conventions.
+"""A batched sampler on PyTorch's operators following SGLang / Hugging Face conventions (greedy
+rows' argmax in a small C kernel, argmax.c, where a compiler is at hand).
 
 Per step, on a float32 copy of the logits [B, V]:
   1. logit_bias (added per token);
@@ -24,16 +25,49 @@ temperature and the vocab mask), computed only when some request asks for them.
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import logging
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from srv.sdk.native import NativeBuildError, load_c_library
 from srv.sdk.sampling import SampleOutput, Sampler, SamplingBatch, SamplingParams
+
+logger = logging.getLogger(__name__)
 
 # Temperatures at or below this are treated as greedy (dividing by them would overflow).
 _TEMPERATURE_EPS = 1e-5
 _SEED_MULTIPLIER = 1_000_003
 _SEED_MODULUS = 2**63
+
+
+@functools.cache
+def _argmax_kernel() -> ctypes.CDLL | None:
+    """argmax.c, or None without a C compiler (torch's max then)."""
+    try:
+        library = load_c_library(Path(__file__).with_name("argmax.c"))
+    except NativeBuildError as exc:
+        logger.warning("%s; greedy tokens are taken by torch's max", exc)
+        return None
+    size = ctypes.c_int64
+    library.srv_argmax_rows.argtypes = [ctypes.c_void_p, size, size, size, ctypes.c_void_p]
+    library.srv_argmax_set_body.argtypes = [ctypes.c_int]
+    return library
+
+
+def first_argmax(x: torch.Tensor) -> torch.Tensor:
+    """The first index of each row's largest value (a NaN first of all): torch.max(x, -1).indices,
+    by argmax.c for float32 rows on the CPU."""
+    kernel = _argmax_kernel()
+    if kernel is None or x.dim() != 2 or x.dtype != torch.float32 or x.stride(-1) != 1 or x.device.type != "cpu" \
+            or not x.shape[1]:
+        return x.max(dim=-1).indices
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    kernel.srv_argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr())
+    return out
 
 
 def _is_greedy(p: SamplingParams) -> bool:
@@ -186,9 +220,7 @@ class PyTorchSampler(Sampler):
         self._apply_min_new_tokens(x, batch)
         batch.mask_logits(x)
 
-        # max's indices are argmax's (the first of equal largest values, a NaN first of all), in a
-        # third of the time on CPU: argmax's kernel is not vectorized there.
-        next_ids = x.max(dim=-1).indices
+        next_ids = first_argmax(x)
         sampled = [i for i, p in enumerate(params) if not _is_greedy(p)]
         if sampled:
             idx = torch.tensor(sampled, device=dev)
