@@ -364,6 +364,8 @@ class LlamaForCausalLM(nn.Module):
         self.native_layers: dict[tuple[int, torch.dtype], ctypes.Array | None] = {}
         self.native_all_reduce = native_all_reduce(parallel)   # kept: C holds its address during a step
         self.float32_norms: dict[int, RMSNorm] = {}
+        self.scratch: list[torch.Tensor] = []   # see _native_scratch
+        self.scratch_rows, self.scratch_addresses = 0, []
 
     def build_mlp(self, config: Any, layer: int, parallel: ParallelContext) -> nn.Module:
         """Layer `layer`'s feed-forward block (a subclass builds its experts here)."""
@@ -447,18 +449,27 @@ class LlamaForCausalLM(nn.Module):
         shapes = self.shapes
         given = residual is not None   # a later pipeline stage's: the stream so far
         residual = residual.float().contiguous() if given else torch.empty_like(x)
-        scratch = [torch.empty(rows, size) for size in (
-            (shapes.heads + 2 * shapes.kv_heads) * shapes.head_dim, shapes.heads * shapes.head_dim, shapes.hidden,
-            2 * shapes.intermediate, shapes.intermediate)]
         cos, sin = rotary
         reduce = self.native_all_reduce.kernel
         kernels().srv_decode_layers(ctypes.addressof(layers), len(layers), ctypes.addressof(shapes),
                                     ctypes.addressof(attention), cos.data_ptr(), sin.data_ptr(), x.data_ptr(),
-                                    residual.data_ptr(), rows, *(t.data_ptr() for t in scratch),
+                                    residual.data_ptr(), rows, *self._native_scratch(rows),
                                     reduce if reduce is None else ctypes.addressof(reduce), int(given))
         if products != torch.float32:
             return x.to(products), residual.to(products)
         return x, residual
+
+    def _native_scratch(self, rows: int) -> list[int]:
+        """The addresses of srv_decode_layers' scratch rows (qkv, attention, normed, gate_up,
+        activation), for up to `rows` rows: allocated once for the most rows a step has had, where
+        five allocations a step cost a one-row step tens of microseconds."""
+        if self.scratch_rows < rows:
+            shapes = self.shapes
+            self.scratch = [torch.empty(rows, size) for size in (
+                (shapes.heads + 2 * shapes.kv_heads) * shapes.head_dim, shapes.heads * shapes.head_dim, shapes.hidden,
+                2 * shapes.intermediate, shapes.intermediate)]
+            self.scratch_rows, self.scratch_addresses = rows, [t.data_ptr() for t in self.scratch]
+        return self.scratch_addresses
 
     def _native_layers(self, rows: int, products: torch.dtype) -> ctypes.Array | None:
         if kernels() is None or has_forward_hooks(self):   # a hooked module runs where torch calls its hooks
