@@ -404,8 +404,11 @@ class LlamaForCausalLM(nn.Module):
         if len(self.layers) in batch.capture_layers:
             # The norm may add into the residual it is given: a copy keeps the stream for the head.
             captured[len(self.layers)] = norm(x, residual.clone())[0].float()
-        rows = batch.logits_rows()
-        x, _ = norm(x[rows], residual[rows])
+        if batch.logits_indices is None and batch.is_decode:   # every row's logits, in order: no gather
+            x, _ = norm(x, residual)
+        else:
+            rows = batch.logits_rows()
+            x, _ = norm(x[rows], residual[rows])
         hidden = torch.cat([captured[i] for i in batch.capture_layers], -1) if batch.capture_layers else None
         return ModelOutput(self.parallel.vocab_logits(self.lm_head, x, self.vocab_starts), hidden)
 
