@@ -464,6 +464,10 @@ static void attend_group(const RequestGroup *group, int64_t kvh, const float *q,
  * time; the weighted sum of values, each part a range of the head's values (each thread widens
  * only the values it reads). Every score, probability and output value is summed in the order
  * attend_group sums it, so a request's output is the same to the bit in a batch or alone. */
+/* Tokens from which a lone request takes attend_alone: over a shorter context its two extra
+ * barriers cost more than the uneven split (BENCHMARKS.md has the measurement). */
+#define ALONE_FROM 256
+
 static void attend_alone(const float *q, const void *k_cache, const void *v_cache, int kv_format,
                          const float scales[2], const int64_t *slots, int64_t len, int64_t heads, int64_t kv_heads,
                          int64_t d, float scale, int64_t parts, float *out) {
@@ -519,7 +523,7 @@ static void decode_attention(const float *q, int64_t q_stride, const float *k_ne
     if (k_new != NULL)
         store_new(k_new, v_new, new_stride, new_slots, k_cache, v_cache, kv_format, scales, batch, kv_heads, d);
     const int threads = omp_get_max_threads();
-    if (batch == 1 && threads > 1 && kv_heads % threads) {
+    if (batch == 1 && threads > 1 && kv_heads % threads && seq_lens[0] >= ALONE_FROM) {
         int64_t parts = threads;   /* the fewest that make kv_heads * parts a multiple of threads */
         for (int64_t p = 1; p < threads; p++)
             if (kv_heads * p % threads == 0) { parts = p; break; }
