@@ -18,7 +18,8 @@ from srv.sdk.attention import ForwardBatch
 from srv.sdk import packed_linear
 from srv.sdk.packed_linear import NATIVE_ROWS, PackedLinear, can_pack, pack_linear_layers
 from srv.sdk.testing.attention import BATCHES, make_case
-from srv.sdk.native import HUGE_PAGE, NativeBuildError, in_huge_pages, load_c_library, together_in_huge_pages
+from srv.sdk.native import (HUGE_PAGE, NativeBuildError, in_huge_pages, load_c_library, optional_c_library,
+                             together_in_huge_pages)
 from srv.sdk.paths import write_atomically
 
 
@@ -42,6 +43,17 @@ def test_a_source_that_does_not_compile_says_why(tmp_path, monkeypatch):
     with pytest.raises(NativeBuildError, match="broken.c"):
         load_c_library(source)
     assert not list((tmp_path / "cache").iterdir())   # nothing half-built is left to load
+
+
+def test_an_optional_library_that_cannot_be_built_is_none_and_says_what_runs_instead(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("SRV_KERNEL_CACHE", str(tmp_path / "cache"))
+    source = tmp_path / "broken.c"
+    source.write_text("int srv_broken( { }\n")
+    with caplog.at_level("WARNING", logger="srv.native"):
+        assert optional_c_library(source, without="torch's operators run instead") is None
+    assert "broken.c" in caplog.text and "torch's operators run instead" in caplog.text
+    source.write_text("int srv_add(int a, int b) { return a + b; }\n")
+    assert optional_c_library(source).srv_add(2, 3) == 5
 
 
 def test_a_tensor_copied_into_huge_pages_is_equal_aligned_and_outlives_its_original():

@@ -77,6 +77,18 @@ def load_c_library(source: Path, flags: tuple[str, ...] = ()) -> ctypes.CDLL:
     return ctypes.CDLL(str(target))
 
 
+def optional_c_library(source: Path, flags: tuple[str, ...] = (), without: str | None = None) -> ctypes.CDLL | None:
+    """load_c_library's library, or None (logged) where it cannot be built.
+
+    `without` says what runs instead (torch's operators, say): the warning names the build's error
+    and it, and the caller takes that path."""
+    try:
+        return load_c_library(source, flags)
+    except NativeBuildError as exc:
+        logger.warning("%s; %s", exc, without or f"{source.name} is not used")
+        return None
+
+
 def pick_isa(ladder: dict[str, tuple[str, ...]], override: str) -> str:
     """The first of `ladder`'s kernel bodies (fastest first, each with the CPU flags it needs as
     /proc/cpuinfo spells them; the last should need none) that this CPU runs. The environment

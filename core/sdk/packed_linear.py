@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from srv.sdk.native import NativeBuildError, NativeKernel, load_c_library
+from srv.sdk.native import NativeKernel, optional_c_library
 from srv.sdk.system import available_memory_bytes
 
 logger = logging.getLogger("srv.layers")
@@ -43,10 +43,9 @@ ISAS = {"portable": 0, "avx2": 1, "avx512": 2}
 @functools.cache
 def kernels() -> ctypes.CDLL | None:
     """dense_kernels.c, or None without a C compiler (every product on oneDNN then)."""
-    try:
-        library = load_c_library(Path(__file__).with_name("dense_kernels.c"))
-    except NativeBuildError as exc:
-        logger.warning("%s; decode steps' dense products run on oneDNN", exc)
+    library = optional_c_library(Path(__file__).with_name("dense_kernels.c"),
+                                 without="decode steps' dense products run on oneDNN")
+    if library is None:
         return None
     library.srv_dense_linear.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
     library.srv_dense_set_isa.argtypes = [ctypes.c_int]

@@ -25,7 +25,7 @@ from srv.sdk.linear import checkpoint_key, load_weight, shard_rows
 from srv.sdk.models import ModelOutput
 from srv.sdk.parallel import ParallelContext
 from srv.sdk.registration import requires_cpu_flags
-from srv.sdk.native import NativeBuildError, NativeKernel, has_forward_hooks, load_c_library
+from srv.sdk.native import NativeKernel, has_forward_hooks, optional_c_library
 
 logger = logging.getLogger("srv.models")
 
@@ -69,11 +69,10 @@ def native_products_dtype(dtype: torch.dtype, rows: int) -> torch.dtype | None:
 @functools.cache
 def kernels() -> ctypes.CDLL | None:
     """llama_kernels.c for float32 rows, or None without a C compiler (torch's operators then)."""
-    try:
-        library = load_c_library(Path(__file__).with_name("llama_kernels.c"),
-                                  ("-ffp-contract=off", "-fno-trapping-math", "-lm"))
-    except NativeBuildError as exc:
-        logger.warning("%s; the model runs its norms, rotary embedding and activation on torch's operators", exc)
+    library = optional_c_library(Path(__file__).with_name("llama_kernels.c"),
+                                 ("-ffp-contract=off", "-fno-trapping-math", "-lm"),
+                                 "the model runs its norms, rotary embedding and activation on torch's operators")
+    if library is None:
         return None
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     library.srv_rms_norm.argtypes = [pointer, size, size, size, pointer, ctypes.c_float, pointer]

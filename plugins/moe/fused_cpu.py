@@ -7,15 +7,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 from pathlib import Path
 
 import torch
 
 from srv.sdk.moe import ExpertWeights, MoERunner, run_experts_reference
-from srv.sdk.native import NativeBuildError, load_c_library
-
-logger = logging.getLogger("srv.moe")
+from srv.sdk.native import optional_c_library
 
 # Routes an expert (on average) from which a batch runs on torch's products (int8 weights
 # widened to the rows' dtype an expert at a time): decode batches stay below it, prefill chunks
@@ -34,10 +31,9 @@ class MoEArgs(ctypes.Structure):
 
 @functools.cache
 def kernels() -> ctypes.CDLL | None:
-    try:
-        library = load_c_library(Path(__file__).with_name("moe_kernels.c"), ("-lm",))
-    except NativeBuildError as exc:
-        logger.warning("%s; the fused_cpu MoE runner runs the reference's torch products", exc)
+    library = optional_c_library(Path(__file__).with_name("moe_kernels.c"), ("-lm",),
+                                 "the fused_cpu MoE runner runs the reference's torch products")
+    if library is None:
         return None
     library.srv_moe_run.argtypes = [ctypes.c_void_p]
     library.srv_moe_run.restype = ctypes.c_int

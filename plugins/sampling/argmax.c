@@ -16,13 +16,21 @@ static inline int64_t first_index(const float *row, int64_t from, int64_t n, flo
     return 0;   /* not reached for n > 0 */
 }
 
-static int64_t first_largest_c(const float *row, int64_t n) {
-    float largest = -INFINITY;
-    int nan = 0;
-    for (int64_t i = 0; i < n; i++) {
-        nan |= row[i] != row[i];
-        largest = row[i] > largest ? row[i] : largest;
+/* The largest of `count` lanes and of row[from, n); *nan is set where one of row[from, n) is a NaN. */
+static inline float largest_of(const float *lanes, int count, const float *row, int64_t from, int64_t n, int *nan) {
+    float largest = lanes[0];
+    for (int j = 1; j < count; j++) largest = lanes[j] > largest ? lanes[j] : largest;
+    for (int64_t t = from; t < n; t++) {
+        *nan |= row[t] != row[t];
+        largest = row[t] > largest ? row[t] : largest;
     }
+    return largest;
+}
+
+static int64_t first_largest_c(const float *row, int64_t n) {
+    const float lowest = -INFINITY;
+    int nan = 0;
+    const float largest = largest_of(&lowest, 1, row, 0, n, &nan);
     return first_index(row, 0, n, largest, nan);
 }
 
@@ -36,13 +44,8 @@ __attribute__((target("avx2"))) static int64_t first_largest_avx2(const float *r
     }
     float lanes[8];
     _mm256_storeu_ps(lanes, best);
-    float largest = lanes[0];
-    for (int j = 1; j < 8; j++) largest = lanes[j] > largest ? lanes[j] : largest;
     int any_nan = _mm256_movemask_ps(nan) != 0;
-    for (int64_t t = i; t < n; t++) {
-        any_nan |= row[t] != row[t];
-        largest = row[t] > largest ? row[t] : largest;
-    }
+    const float largest = largest_of(lanes, 8, row, i, n, &any_nan);
     const __m256 target = _mm256_set1_ps(largest);
     int64_t from = 0;
     for (; from + 8 <= n; from += 8) {
@@ -65,13 +68,8 @@ __attribute__((target("avx512f"))) static int64_t first_largest_avx512(const flo
     }
     float lanes[16];
     _mm512_storeu_ps(lanes, best);
-    float largest = lanes[0];
-    for (int j = 1; j < 16; j++) largest = lanes[j] > largest ? lanes[j] : largest;
     int any_nan = nan != 0;
-    for (int64_t t = i; t < n; t++) {
-        any_nan |= row[t] != row[t];
-        largest = row[t] > largest ? row[t] : largest;
-    }
+    const float largest = largest_of(lanes, 16, row, i, n, &any_nan);
     const __m512 target = _mm512_set1_ps(largest);
     int64_t from = 0;
     for (; from + 16 <= n; from += 16) {

@@ -27,16 +27,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from srv.sdk.native import NativeBuildError, load_c_library
+from srv.sdk.native import optional_c_library
 from srv.sdk.sampling import SampleOutput, Sampler, SamplingBatch, SamplingParams
-
-logger = logging.getLogger(__name__)
 
 # Temperatures at or below this are treated as greedy (dividing by them would overflow).
 _TEMPERATURE_EPS = 1e-5
@@ -47,10 +44,8 @@ _SEED_MODULUS = 2**63
 @functools.cache
 def _argmax_kernel() -> ctypes.CDLL | None:
     """argmax.c, or None without a C compiler (torch's max then)."""
-    try:
-        library = load_c_library(Path(__file__).with_name("argmax.c"))
-    except NativeBuildError as exc:
-        logger.warning("%s; greedy tokens are taken by torch's max", exc)
+    library = optional_c_library(Path(__file__).with_name("argmax.c"), without="greedy tokens are taken by torch's max")
+    if library is None:
         return None
     size = ctypes.c_int64
     library.srv_argmax_rows.argtypes = [ctypes.c_void_p, size, size, size, ctypes.c_void_p]
