@@ -101,7 +101,7 @@ class PaddedSDPAAttention(AttentionBackend):
         batch.metadata["padded_sdpa"] = (mask[:, None], valid_query, max_extend)
 
     def _decode_step(self, batch: ForwardBatch) -> DecodeStep:
-        seq_lens = torch.tensor(batch.prefix_lens) + 1
+        seq_lens = torch.tensor([length + 1 for length in batch.prefix_lens])
         slots = batch.kv_slots.to(torch.int64).contiguous()
         new_slots = batch.out_cache_loc.to(torch.int64).contiguous()
         cache = batch.kv_cache
