@@ -46,9 +46,9 @@ class ReqToTokenPool:
 
     def __init__(self, max_requests: int, max_context: int) -> None:
         self.table = torch.zeros(max_requests, max_context, dtype=torch.int64)
-        # The same memory as a NumPy array, for the few slots a decode step writes: a NumPy
-        # write costs about a microsecond, where each torch operator costs tens once the forward
-        # pass has pushed the interpreter's data out of the caches.
+        # The same memory as a NumPy array, for the few slots a decode step reads and writes: a
+        # NumPy call is a fraction of a torch operator's dispatch, which is slow between forward
+        # passes (each pass pushes the interpreter's and torch's data out of the caches).
         self.array = self.table.numpy()
         self._free_rows = list(range(max_requests - 1, -1, -1))
 

@@ -145,8 +145,8 @@ class Worker:
         prompt log-probabilities a request wants from this chunk are recorded on the way (their
         rows come after those). A request with drafts runs as decode rows, one a position,
         sharing its KV row: row j sees the cache up to its own position. The step's positions and
-        slots are gathered in NumPy (the request table's view), a torch tensor each at the end:
-        a torch operator a request cost a decode step tens of microseconds each."""
+        slots are gathered in NumPy (the request table's view), a torch tensor each at the end,
+        rather than torch operators for every request (see ReqToTokenPool.array)."""
         ids: list[int] = []
         positions, locs, table_rows, lens, prompt_rows = [], [], [], [], []
         prefix_lens, extends = [], []

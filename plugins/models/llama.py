@@ -463,8 +463,8 @@ class LlamaForCausalLM(nn.Module):
 
     def _native_scratch(self, rows: int) -> list[int]:
         """The addresses of srv_decode_layers' scratch rows (qkv, attention, normed, gate_up,
-        activation), for up to `rows` rows: allocated once for the most rows a step has had, where
-        five allocations a step cost a one-row step tens of microseconds."""
+        activation), for up to `rows` rows: allocated once for the most rows a step has had, rather
+        than five tensors a step, each an operator's dispatch on a one-row step's path."""
         if self.scratch_rows < rows:
             shapes = self.shapes
             self.scratch = [torch.empty(rows, size) for size in (

@@ -1,7 +1,7 @@
 /* Greedy decoding's token: the first index of each row's largest value, a NaN counting as larger
  * than any number (the first NaN where a row has one), as torch.max(x, dim=-1).indices gives it.
- * torch's kernel tracks an index beside every value and is not vectorized on the CPU: a row of
- * the default model's 49,152 logits took it about 80 us a step. Here one pass finds the largest
+ * torch's kernel tracks an index beside every value and is not vectorized on the CPU, and a row
+ * of a vocabulary's logits cost it several times these two passes. Here one pass finds the largest
  * value (and whether there is a NaN) a vector at a time, and a second finds where it first
  * occurs; AVX-512, AVX2 or plain C, whichever the CPU runs. Rows are split across OpenMP
  * threads (torch's runtime) when there are several. */
