@@ -161,7 +161,7 @@ def test_silu_mul_kernel_matches_torch(monkeypatch, rows, size):
 def test_rotary_kernel_matches_torch(monkeypatch, heads, head_dim, tokens):
     assert llama.kernels() is not None
     rotary = llama.RotaryEmbedding(head_dim, 10000.0, None)
-    cos, sin = rotary(torch.arange(tokens) * 7 % 4096)
+    cos, sin = rotary(torch.arange(tokens) * 7 % 4096, 4096)
     qkv = torch.randn(tokens, (heads + 2) * head_dim)
     fused, reference = qkv.clone(), qkv.clone()
     with torch.inference_mode():
@@ -171,6 +171,21 @@ def test_rotary_kernel_matches_torch(monkeypatch, heads, head_dim, tokens):
         llama.apply_rotary(reference[:, :heads * head_dim].view(tokens, heads, head_dim), cos, sin)
     torch.testing.assert_close(fused, reference, rtol=1e-6, atol=1e-6)
     assert torch.equal(fused[:, heads * head_dim:], qkv[:, heads * head_dim:])
+
+
+@pytest.mark.parametrize("head_dim", [64, 40])
+def test_rotary_tables_hold_each_positions_values_as_the_operators_give_them_alone(head_dim):
+    """The tables the rotary embedding computes once hold, for each position, the values of the
+    operators that computed them for that position alone (each step, before the tables)."""
+    rotary = llama.RotaryEmbedding(head_dim, 10000.0, None)
+    cos, sin = rotary.tables(5000)
+    assert cos.shape[0] >= 5000
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    for position in (0, 1, 7, 129, 4095, 4096, 4999):
+        freqs = torch.tensor([position]).float()[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        assert torch.equal(cos[position], emb.cos()[0]) and torch.equal(sin[position], emb.sin()[0])
+    assert torch.equal(rotary(torch.tensor([3, 0]), 4)[0][:, 0], cos[[3, 0]])
 
 
 def assert_bf16_rows_match(fused: torch.Tensor, reference: torch.Tensor) -> None:
@@ -207,7 +222,7 @@ def test_bf16_norms_match_torch(monkeypatch, rows, hidden):
 def test_bf16_rotary_matches_torch(monkeypatch, tokens):
     heads, head_dim = 12, 64
     rotary = llama.RotaryEmbedding(head_dim, 10000.0, None)
-    cos, sin = rotary(torch.arange(tokens) * 7)
+    cos, sin = rotary(torch.arange(tokens) * 7, 7 * tokens)
     qkv = torch.randn(tokens, (heads + 2) * head_dim).bfloat16()
     fused, reference = qkv.clone(), qkv.clone()
     with torch.inference_mode():

@@ -240,9 +240,22 @@ def test_decode_layers_run_in_one_native_call_with_the_python_layers_results(mon
         assert torch.equal(engine.runner.forward(*args).logits, logits), f"decode step {step}"
         monkeypatch.setattr(LlamaForCausalLM, "_decode_natively", counted)
 
+    outside = []
+
+    def outside_the_vocabulary(step, args, logits):
+        """A token the embedding matrix lacks fails the step as torch's look-up does (nothing read)."""
+        if step == 0:
+            ids = args[0].clone()
+            ids[1] = engine.runner.config.vocab_size
+            with pytest.raises(IndexError):
+                engine.runner.forward(ids, *args[1:])
+            outside.append(step)
+        same_as_python(step, args, logits)
+
     with srv.Engine(quantization=quantization, dtype="float32") as engine:
-        drive_decode_steps(engine, 4, check=same_as_python)
+        drive_decode_steps(engine, 4, check=outside_the_vocabulary)
     assert native_steps == [False] + [True] * 4, "the decode steps did not run natively"
+    assert outside == [0]
 
 
 @pytest.mark.parametrize("quantization", ["gguf", "none"], ids=["gguf-blocks", "dense"])

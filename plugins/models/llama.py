@@ -78,12 +78,13 @@ def kernels() -> ctypes.CDLL | None:
     library.srv_rms_norm.argtypes = [pointer, size, size, size, pointer, ctypes.c_float, pointer]
     library.srv_add_rms_norm.argtypes = [pointer, pointer, size, size, pointer, ctypes.c_float, pointer]
     library.srv_silu_mul.argtypes = [pointer, size, size, pointer]
-    library.srv_rotary.argtypes = [pointer, size, size, size, size, pointer, pointer]
+    library.srv_rotary.argtypes = [pointer, size, size, size, size, pointer, pointer, pointer]
     library.srv_rms_norm_bf16.argtypes = [pointer, size, size, size, pointer, ctypes.c_float, pointer]
     library.srv_add_rms_norm_bf16.argtypes = [pointer, pointer, size, size, pointer, ctypes.c_float, pointer]
-    library.srv_rotary_bf16.argtypes = [pointer, size, size, size, size, pointer, pointer]
-    library.srv_decode_layers.argtypes = [pointer, size, pointer, pointer, pointer, pointer, pointer, pointer, size,
-                                          pointer, pointer, pointer, pointer, pointer, pointer, size]
+    library.srv_rotary_bf16.argtypes = [pointer, size, size, size, size, pointer, pointer, pointer]
+    library.srv_decode_layers.argtypes = [pointer, size, pointer, pointer, pointer, pointer, pointer, pointer, pointer,
+                                          size, pointer, pointer, pointer, pointer, pointer, pointer, size, pointer]
+    library.srv_decode_layers.restype = size
     return library
 
 
@@ -129,9 +130,21 @@ class NativeDecoderLayer(ctypes.Structure):
                 ("input_norm", ctypes.c_void_p), ("post_attention_norm", ctypes.c_void_p)]
 
 
+class DecodeEnds(ctypes.Structure):
+    """What srv_decode_layers looks up before the first layer (the embeddings, where `ids` is set)
+    and computes after the last (the final norm, where `final_norm` is set)."""
+    _fields_ = [("ids", ctypes.c_void_p), ("embedding", ctypes.c_void_p), ("vocab", ctypes.c_int64),
+                ("embedding_bf16", ctypes.c_int64), ("final_norm", ctypes.c_void_p), ("final_out", ctypes.c_void_p)]
+
+
 class LayerShapes(ctypes.Structure):
     _fields_ = [("hidden", ctypes.c_int64), ("heads", ctypes.c_int64), ("kv_heads", ctypes.c_int64),
                 ("head_dim", ctypes.c_int64), ("intermediate", ctypes.c_int64), ("eps", ctypes.c_float)]
+
+
+def int64_values(x: torch.Tensor) -> torch.Tensor:
+    """x as contiguous int64 values, the form C reads token ids and positions in (as the worker gives them)."""
+    return x if x.dtype == torch.int64 and x.is_contiguous() else x.to(torch.int64).contiguous()
 
 
 def float32_rows(x: torch.Tensor) -> bool:
@@ -202,25 +215,33 @@ class RotaryEmbedding(nn.Module):
         if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type", "default")) != "default":
             raise NotImplementedError(f"rope scaling {rope_scaling} is not supported yet")
         self.head_dim, self.theta = head_dim, theta
-        self.inv_freq: torch.Tensor | None = None
+        self.cos_table = self.sin_table = torch.empty(0, head_dim)
 
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin: [T, 1, head_dim], shaped once per forward pass for every layer's heads."""
-        if self.inv_freq is None:
+    def tables(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [positions, head_dim] for positions up to at least `length` - 1, computed once
+        (again, twice as long, when a longer sequence comes) rather than five operators a forward
+        pass: each position's row is the one those operators give for it alone (elementwise)."""
+        if self.cos_table.shape[0] < length:
             # At the first pass rather than as a buffer: the model is built on the meta device.
-            # Kept: five operators fewer in every decode step.
             exponents = torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim
-            self.inv_freq = 1.0 / (self.theta ** exponents)
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
-        return emb.cos(), emb.sin()
+            inv_freq = 1.0 / (self.theta ** exponents)
+            positions = torch.arange(max(length, 2 * self.cos_table.shape[0], 4096))
+            freqs = positions.float()[:, None] * inv_freq[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)
+            self.cos_table, self.sin_table = emb.cos(), emb.sin()
+        return self.cos_table, self.sin_table
+
+    def forward(self, positions: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin: [T, 1, head_dim] of the positions (all below `length`), for every layer's heads."""
+        cos, sin = self.tables(length)
+        return cos[positions][:, None], sin[positions][:, None]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """Rotates x [T, heads, head_dim] in place; cos, sin: [T, 1, head_dim]."""
     if (float32_rows(x) or bf16_rows(x)) and x.stride(1) == x.shape[2]:
         rotary = kernels().srv_rotary if x.dtype == torch.float32 else kernels().srv_rotary_bf16
-        rotary(x.data_ptr(), x.shape[0], x.shape[1], x.shape[2], x.stride(0), cos.data_ptr(), sin.data_ptr())
+        rotary(x.data_ptr(), x.shape[0], x.shape[1], x.shape[2], x.stride(0), cos.data_ptr(), sin.data_ptr(), None)
         return
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -376,17 +397,19 @@ class LlamaForCausalLM(nn.Module):
         if batch.capture_layers and parallel.is_pipelined:
             raise ValueError("hidden states are not returned under pipeline parallelism yet")
         served = self.layers[self.start].input_layernorm.weight.dtype
-        if parallel.is_first_stage:
-            x, residual = self.embed_tokens(batch.input_ids), None
-        else:   # the previous stage's last layer output and residual stream
+        x = residual = None   # the first stage's embeddings are looked up below (in C, natively)
+        if not parallel.is_first_stage:   # the previous stage's last layer output and residual stream
             x, residual = parallel.receive_from_previous_stage(2, (batch.input_ids.shape[0], self.config.hidden_size),
                                                                self._between_stages(served, batch))
-        rotary = self.rotary(batch.positions)
         if not batch.is_idle:
             batch.attention.prepare(batch)
-        native = None if batch.capture_layers else self._decode_natively(x, residual, rotary, batch)
+        native = None if batch.capture_layers else self._decode_natively(x, residual, served, batch)
         captured: dict[int, torch.Tensor] = {}
+        normed = None   # the final norm's output, where the native layers computed it
         if native is None:
+            if x is None:
+                x = self.embed_tokens(batch.input_ids)
+            rotary = self.rotary(batch.positions, batch.kv_slots.shape[1])
             x, residual = x.to(served), None if residual is None else residual.to(served)
             for i in range(self.start, self.end):
                 if i in batch.capture_layers:   # the residual stream entering layer i (a copy: the
@@ -394,7 +417,7 @@ class LlamaForCausalLM(nn.Module):
                     captured[i] = (x.clone() if residual is None else x + residual).float()
                 x, residual = self.layers[i](x, residual, rotary, batch)
         else:
-            x, residual = native
+            x, residual, normed = native
         if not parallel.is_last_stage:
             between = self._between_stages(served, batch)
             parallel.send_to_next_stage(x.to(between), residual.to(between))
@@ -403,7 +426,9 @@ class LlamaForCausalLM(nn.Module):
         if len(self.layers) in batch.capture_layers:
             # The norm may add into the residual it is given: a copy keeps the stream for the head.
             captured[len(self.layers)] = norm(x, residual.clone())[0].float()
-        if batch.logits_indices is None and batch.is_decode:   # every row's logits, in order: no gather
+        if normed is not None:   # each row's, in order
+            x = normed if batch.logits_indices is None else normed[batch.logits_rows()]
+        elif batch.logits_indices is None and batch.is_decode:   # every row's logits, in order: no gather
             x, _ = norm(x, residual)
         else:
             rows = batch.logits_rows()
@@ -428,15 +453,19 @@ class LlamaForCausalLM(nn.Module):
             copy.weight.data = norm.weight.detach().float()
         return copy
 
-    def _decode_natively(self, x: torch.Tensor, residual: torch.Tensor | None,
-                         rotary: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch) -> torch.Tensor | None:
+    def _decode_natively(self, x: torch.Tensor | None, residual: torch.Tensor | None, served: torch.dtype,
+                         batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
         """A decode step's layers in one C call, when every product and the attention have a
-        kernel (srv.sdk.native.NativeKernel): x becomes the last layer's output, and the residual
-        stream is returned. The Python layers call the same kernels in the same order; one call
-        saves the dozen Python calls a layer costs. Products in bf16 arithmetic (see
-        native_products_dtype) hand back both in the served dtype, for its norm and head."""
-        rows = x.shape[0]
-        products = native_products_dtype(x.dtype, rows)
+        kernel (srv.sdk.native.NativeKernel): (the last layer's output, the residual stream, the
+        final norm's output or None). The Python layers call the same kernels in the same order;
+        one call saves the dozen Python calls a layer costs. The call also looks up the first
+        stage's embeddings (x None) where the matrix is whole here, and, where its products are
+        float32, applies the last stage's final norm: around the layers of a one-row step, the
+        operators these took cost as much as several layers. Products in bf16 arithmetic (see
+        native_products_dtype) hand back the layers' output and the stream in the served dtype,
+        for its norm and head."""
+        rows = batch.input_ids.shape[0]
+        products = native_products_dtype(served if x is None else x.dtype, rows)
         if not batch.is_decode or products is None:
             return None
         if self.parallel.attention_data_parallel:   # the MLPs run on every rank's rows
@@ -447,30 +476,55 @@ class LlamaForCausalLM(nn.Module):
         attention = None if layers is None else batch.attention.native_decode(batch)
         if attention is None:
             return None
-        x = x.float()
-        shapes = self.shapes
+        scratch, ends = self._native_scratch(rows), DecodeEnds()
+        if x is None:
+            table, embedding = self.embed_tokens, getattr(self.embed_tokens, "weight", None)
+            if not (type(table) is VocabParallelEmbedding and not table.parallel.is_parallel and embedding.is_contiguous()
+                    and embedding.dtype in (torch.float32, torch.bfloat16)):   # torch's look-up or the module's own
+                x = table(batch.input_ids)
+            else:
+                ids = int64_values(batch.input_ids)   # kept until the call returns
+                ends.ids, ends.embedding, ends.vocab = ids.data_ptr(), embedding.data_ptr(), embedding.shape[0]
+                ends.embedding_bf16 = embedding.dtype == torch.bfloat16
         given = residual is not None   # a later pipeline stage's: the stream so far
-        residual = residual.float().contiguous() if given else torch.empty_like(x)
-        cos, sin = rotary
+        normed = None
+        if self.parallel.is_last_stage and products == torch.float32:
+            x_out, residual_out = self.scratch[5][:rows], self.scratch[6][:rows]   # read by nothing after the step
+            normed = torch.empty(rows, self.shapes.hidden)
+            norm = self.norm if self.norm.weight.dtype == torch.float32 else self._float32_copy(self.norm)
+            ends.final_norm, ends.final_out = norm.weight.data_ptr(), normed.data_ptr()
+        else:
+            x_out, residual_out = torch.empty(rows, self.shapes.hidden), torch.empty(rows, self.shapes.hidden)
+        if x is not None:
+            x_out.copy_(x)
+        if given:
+            residual_out.copy_(residual)
+        cos, sin = self.rotary.tables(batch.kv_slots.shape[1])
         reduce = self.native_all_reduce.kernel
-        kernels().srv_decode_layers(ctypes.addressof(layers), len(layers), ctypes.addressof(shapes),
-                                    ctypes.addressof(attention), cos.data_ptr(), sin.data_ptr(), x.data_ptr(),
-                                    residual.data_ptr(), rows, *self._native_scratch(rows),
-                                    reduce if reduce is None else ctypes.addressof(reduce), int(given))
+        positions = int64_values(batch.positions)
+        bad = kernels().srv_decode_layers(
+            ctypes.addressof(layers), len(layers), ctypes.addressof(self.shapes), ctypes.addressof(attention),
+            cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), x_out.data_ptr(), residual_out.data_ptr(), rows,
+            *scratch, reduce if reduce is None else ctypes.addressof(reduce), int(given), ctypes.byref(ends))
+        if bad:
+            raise IndexError(f"token id {int(batch.input_ids[bad - 1])} is outside the embedding matrix's "
+                             f"{ends.vocab} rows")
         if products != torch.float32:
-            return x.to(products), residual.to(products)
-        return x, residual
+            return x_out.to(products), residual_out.to(products), None
+        return x_out, residual_out, normed
 
     def _native_scratch(self, rows: int) -> list[int]:
         """The addresses of srv_decode_layers' scratch rows (qkv, attention, normed, gate_up,
-        activation), for up to `rows` rows: allocated once for the most rows a step has had, rather
-        than five tensors a step, each an operator's dispatch on a one-row step's path."""
+        activation), for up to `rows` rows, with two more of `hidden` (self.scratch[5:7]: the
+        layers' output and the residual stream where the step ends in the final norm):
+        allocated once for the most rows a step has had, rather than several tensors a step, each
+        an operator's dispatch on a one-row step's path."""
         if self.scratch_rows < rows:
             shapes = self.shapes
             self.scratch = [torch.empty(rows, size) for size in (
                 (shapes.heads + 2 * shapes.kv_heads) * shapes.head_dim, shapes.heads * shapes.head_dim, shapes.hidden,
-                2 * shapes.intermediate, shapes.intermediate)]
-            self.scratch_rows, self.scratch_addresses = rows, [t.data_ptr() for t in self.scratch]
+                2 * shapes.intermediate, shapes.intermediate, shapes.hidden, shapes.hidden)]
+            self.scratch_rows, self.scratch_addresses = rows, [t.data_ptr() for t in self.scratch[:5]]
         return self.scratch_addresses
 
     def _native_layers(self, rows: int, products: torch.dtype) -> ctypes.Array | None:

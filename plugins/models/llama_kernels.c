@@ -85,13 +85,15 @@ CLONED void srv_silu_mul(const float *gate_up, int64_t rows, int64_t size, float
 }
 
 /* Rotary embedding, rotate-half style, in place, of `heads` heads of size d per token: x
- * [T][heads][d] with tokens `stride` floats apart; cos, sin [T][d]. */
+ * [T][heads][d] with tokens `stride` floats apart; cos, sin [T][d], or, with `positions`, tables
+ * of rows [position][d] that token t reads at row positions[t]. */
 CLONED void srv_rotary(float *x, int64_t tokens, int64_t heads, int64_t d, int64_t stride, const float *cos,
-                       const float *sin) {
+                       const float *sin, const int64_t *positions) {
     const int64_t half = d / 2;
 #pragma omp parallel for if (tokens * heads * d >= PARALLEL_FROM)
     for (int64_t t = 0; t < tokens; t++) {
-        const float *c = cos + t * d, *s = sin + t * d;
+        const int64_t row = positions ? positions[t] : t;
+        const float *c = cos + row * d, *s = sin + row * d;
         for (int64_t h = 0; h < heads; h++) {
             float *xh = x + t * stride + h * d;
             for (int64_t i = 0; i < half; i++) {
@@ -161,11 +163,12 @@ CLONED void srv_add_rms_norm_bf16(uint16_t *residual, const uint16_t *delta, int
 /* srv_rotary on bf16 rows: float32 products and sum (torch promotes bf16 rows times float32
  * cos and sin), rounded to bf16 once. */
 CLONED void srv_rotary_bf16(uint16_t *x, int64_t tokens, int64_t heads, int64_t d, int64_t stride, const float *cos,
-                            const float *sin) {
+                            const float *sin, const int64_t *positions) {
     const int64_t half = d / 2;
 #pragma omp parallel for if (tokens * heads * d >= PARALLEL_FROM)
     for (int64_t t = 0; t < tokens; t++) {
-        const float *c = cos + t * d, *s = sin + t * d;
+        const int64_t row = positions ? positions[t] : t;
+        const float *c = cos + row * d, *s = sin + row * d;
         for (int64_t h = 0; h < heads; h++) {
             uint16_t *xh = x + t * stride + h * d;
             for (int64_t i = 0; i < half; i++) {
@@ -209,19 +212,49 @@ typedef struct {
     float eps;
 } LayerShapes;
 
+/* What a decode step's layers take in and hand on at the ends of the model, where the step's
+ * stage holds them: the first stage looks each row's token up in the embedding matrix
+ * (`ids`, `embedding`: [vocab][hidden] float32, or bf16 with `embedding_bf16`), widened to float32
+ * as torch's `.float()` does; the last stage applies the final norm (`final_norm`, float32) to
+ * the residual stream's last step, into `final_out` [rows][hidden], the rows the head reads. */
+typedef struct {
+    const int64_t *ids;
+    const void *embedding;
+    int64_t vocab, embedding_bf16;
+    const float *final_norm;
+    float *final_out;
+} DecodeEnds;
+
 /* Every decoder layer of a decode step, as DecoderLayer.forward runs them one by one: the same
  * kernels in the same order on the same buffers, so the results are the same to the bit.
- * x [rows][hidden]: the embeddings in, the last layer's MLP output out; residual: the residual
- * stream before that output. A pipeline stage after the first is given the previous stage's
- * output in x and its residual stream in residual (`residual_given`). The rest is scratch, float32 rows: qkv [heads + 2 kv_heads][head_dim],
+ * x [rows][hidden]: the embeddings in (or looked up here, see DecodeEnds), the last layer's MLP
+ * output out; residual: the residual stream before that output. A pipeline stage after the first
+ * is given the previous stage's output in x and its residual stream in residual
+ * (`residual_given`). cos, sin: the rotary tables, [position][head_dim], each row reading its
+ * position's (`positions`). The rest is scratch, float32 rows: qkv [heads + 2 kv_heads][head_dim],
  * attention [heads][head_dim], normed [hidden], gate_up [2 intermediate], activation [intermediate].
  * Under tensor parallelism each rank runs its share of the heads and features, and `all_reduce`
- * adds up the attention output's and the MLP output's partial sums, where the Python layers do. */
-void srv_decode_layers(const DecoderLayer *layers, int64_t count, const LayerShapes *shape,
-                       const NativeKernel *attention, const float *cos, const float *sin, float *x, float *residual,
-                       int64_t rows, float *qkv, float *attended, float *normed, float *gate_up, float *activation,
-                       const NativeKernel *all_reduce, int64_t residual_given) {
+ * adds up the attention output's and the MLP output's partial sums, where the Python layers do.
+ * Returns 0, or 1 + the first row whose token is outside the embedding matrix (nothing computed). */
+int64_t srv_decode_layers(const DecoderLayer *layers, int64_t count, const LayerShapes *shape,
+                          const NativeKernel *attention, const float *cos, const float *sin, const int64_t *positions,
+                          float *x, float *residual, int64_t rows, float *qkv, float *attended, float *normed,
+                          float *gate_up, float *activation, const NativeKernel *all_reduce, int64_t residual_given,
+                          const DecodeEnds *ends) {
     const int64_t hidden = shape->hidden, d = shape->head_dim;
+    if (ends->ids) {
+        for (int64_t r = 0; r < rows; r++)
+            if (ends->ids[r] < 0 || ends->ids[r] >= ends->vocab) return r + 1;
+        for (int64_t r = 0; r < rows; r++) {
+            float *xr = x + r * hidden;
+            if (ends->embedding_bf16) {
+                const uint16_t *row = (const uint16_t *)ends->embedding + ends->ids[r] * hidden;
+                for (int64_t i = 0; i < hidden; i++) xr[i] = from_bf16(row[i]);
+            } else {
+                memcpy(xr, (const float *)ends->embedding + ends->ids[r] * hidden, (size_t)hidden * sizeof(float));
+            }
+        }
+    }
     const AllReduceFunction reduce = all_reduce ? (AllReduceFunction)all_reduce->function : NULL;
     const int64_t q_size = shape->heads * d, kv_size = shape->kv_heads * d, qkv_size = q_size + 2 * kv_size;
     const DecodeAttentionFunction attend = (DecodeAttentionFunction)attention->function;
@@ -234,7 +267,7 @@ void srv_decode_layers(const DecoderLayer *layers, int64_t count, const LayerSha
             srv_add_rms_norm(residual, x, rows, hidden, layer->input_norm, shape->eps, normed);
         }
         linear(&layer->qkv, normed, rows, qkv);
-        srv_rotary(qkv, rows, shape->heads + shape->kv_heads, d, qkv_size, cos, sin);
+        srv_rotary(qkv, rows, shape->heads + shape->kv_heads, d, qkv_size, cos, sin, positions);
         attend(attention->context, l, qkv, qkv_size, qkv + q_size, qkv + q_size + kv_size, qkv_size, attended);
         linear(&layer->o, attended, rows, x);
         if (reduce) reduce(all_reduce->context, x, rows * hidden);
@@ -244,4 +277,6 @@ void srv_decode_layers(const DecoderLayer *layers, int64_t count, const LayerSha
         linear(&layer->down, activation, rows, x);
         if (reduce) reduce(all_reduce->context, x, rows * hidden);
     }
+    if (ends->final_norm) srv_add_rms_norm(residual, x, rows, hidden, ends->final_norm, shape->eps, ends->final_out);
+    return 0;
 }
