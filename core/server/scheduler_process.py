@@ -16,7 +16,6 @@ from multiprocessing.process import BaseProcess
 from typing import Any, Callable
 
 import zmq
-import zmq.asyncio
 
 from srv.backend_registry import BackendRegistry
 from srv.engine.grammar import GrammarCompiler
@@ -28,6 +27,38 @@ from srv.server.scheduler_main import ModelDirKnown, SchedulerFailed, SchedulerR
 logger = logging.getLogger("srv.scheduler_process")
 
 
+class OutputReader:
+    """A scheduler process's PULL socket, read on the event loop: the socket's file descriptor
+    watched by the loop (`add_reader`), its messages taken without blocking. pyzmq's asyncio
+    sockets run a dozen Python calls of futures and flags a message, the most of what this process
+    spent on each token of a stream, on the core the model's second thread computes on."""
+
+    def __init__(self, socket: zmq.Socket) -> None:
+        self.socket = socket
+        self._readable: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def next(self) -> Any:
+        if self._readable is None:   # on the loop that reads it
+            self._readable, self._loop = asyncio.Event(), asyncio.get_running_loop()
+            self._loop.add_reader(self.socket.getsockopt(zmq.FD), self._readable.set)
+        while True:
+            try:
+                return self.socket.recv_pyobj(zmq.NOBLOCK)
+            except zmq.Again:
+                pass
+            # ZMQ's descriptor signals edges: a message that came after the failed receive shows
+            # in the socket's events (reading them re-arms the descriptor), one after this in it.
+            self._readable.clear()
+            if not self.socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                await self._readable.wait()
+
+    def close(self) -> None:
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.remove_reader(self.socket.getsockopt(zmq.FD))
+        self.socket.close(linger=0)
+
+
 class SchedulerProcess:
     """Connects a `Frontend` to the scheduler processes that `spawn_scheduler_processes` started:
     one, or one per data-parallel group behind a `DataParallelRouter`."""
@@ -37,15 +68,14 @@ class SchedulerProcess:
         self.args, self.registry, self.on_death = args, registry, on_death
         self.processes = [s.process for s in spawned]
         self._folders = [s.sockets.folder for s in spawned]
-        self._context = zmq.asyncio.Context()
         self._requests, self._outputs = [], []
         for group in spawned:
             requests = zmq.Context.instance().socket(zmq.PUSH)
             requests.bind(group.sockets.requests)
-            outputs = self._context.socket(zmq.PULL)
+            outputs = zmq.Context.instance().socket(zmq.PULL)
             outputs.bind(group.sockets.outputs)
             self._requests.append(requests)
-            self._outputs.append(outputs)
+            self._outputs.append(OutputReader(outputs))
         self.router = DataParallelRouter([r.send_pyobj for r in self._requests], args.load_balance_method) \
             if len(spawned) > 1 else None
         self.frontend: Frontend | None = None
@@ -95,7 +125,7 @@ class SchedulerProcess:
     async def _next_message(self, group: int) -> Any:
         """A scheduler process's next message while it starts; raises if it exits first."""
         process = self.processes[group]
-        message = asyncio.ensure_future(self._outputs[group].recv_pyobj())
+        message = asyncio.ensure_future(self._outputs[group].next())
         while not message.done():
             await asyncio.wait({message}, timeout=0.2)
             if not message.done() and not process.is_alive():
@@ -105,7 +135,7 @@ class SchedulerProcess:
 
     async def _receive(self, group: int) -> None:
         while True:
-            for out in await self._outputs[group].recv_pyobj():
+            for out in await self._outputs[group].next():
                 if self.router is not None:
                     out = self.router.receive(group, out)
                     if out is None:
@@ -144,7 +174,9 @@ class SchedulerProcess:
             if process.is_alive():
                 process.kill()
                 process.join()
-        for socket in (*self._requests, *self._outputs):
+        for socket in self._requests:
             socket.close(linger=0)
+        for reader in self._outputs:
+            reader.close()
         for folder in self._folders:
             shutil.rmtree(folder, ignore_errors=True)
