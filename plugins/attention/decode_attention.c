@@ -457,6 +457,10 @@ static void attend_group(const RequestGroup *group, int64_t kvh, const float *q,
 #undef SLOTS
 }
 
+/* Tokens from which a lone request takes attend_alone: over a shorter context its two extra
+ * barriers cost more than the uneven split (BENCHMARKS.md has the measurement). */
+#define ALONE_FROM 256
+
 /* A request alone in its step (a batch of one) when its KV heads do not split evenly over the
  * threads (3 heads on 2 threads: one thread did two heads' work while the other waited): each
  * KV head's work is cut in `parts`, so that the threads get equal shares, in three passes with a
@@ -464,10 +468,6 @@ static void attend_group(const RequestGroup *group, int64_t kvh, const float *q,
  * time; the weighted sum of values, each part a range of the head's values (each thread widens
  * only the values it reads). Every score, probability and output value is summed in the order
  * attend_group sums it, so a request's output is the same to the bit in a batch or alone. */
-/* Tokens from which a lone request takes attend_alone: over a shorter context its two extra
- * barriers cost more than the uneven split (BENCHMARKS.md has the measurement). */
-#define ALONE_FROM 256
-
 static void attend_alone(const float *q, const void *k_cache, const void *v_cache, int kv_format,
                          const float scales[2], const int64_t *slots, int64_t len, int64_t heads, int64_t kv_heads,
                          int64_t d, float scale, int64_t parts, float *out) {
