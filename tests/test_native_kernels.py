@@ -1,10 +1,12 @@
 """srv.sdk.native (C kernels built on first use, cached, errors that say why), srv.sdk.paths'
 atomic writes, the Llama family's C norms, rotary embedding and gated activation against the
-torch operators they replace, its oneDNN-packed linear layers, and the decode attention
-kernel: its store into a narrower cache, its groups of requests that share a prefix."""
+torch operators they replace, its oneDNN-packed linear layers, the decode attention kernel (its
+store into a narrower cache, its groups of requests that share a prefix) and each instruction
+set's body of the prefill attention kernel."""
 
 from __future__ import annotations
 
+import functools
 from types import SimpleNamespace
 
 import pytest
@@ -13,11 +15,14 @@ from torch import nn
 from torch.nn import functional as F
 
 import srv.plugins.models.llama as llama
-from srv.plugins.attention.padded_sdpa import PaddedSDPAAttention
+from srv.plugins.attention import padded_sdpa
+from srv.plugins.attention.padded_sdpa import EXTEND_ISAS, PaddedSDPAAttention
+from srv.plugins.attention.torch_native import TorchNativeAttention
 from srv.sdk.attention import ForwardBatch
 from srv.sdk import packed_linear
 from srv.sdk.packed_linear import NATIVE_ROWS, PackedLinear, can_pack, pack_linear_layers
-from srv.sdk.testing.attention import BATCHES, make_case
+from srv.sdk.registration import requires_cpu_flags
+from srv.sdk.testing.attention import BATCHES, BatchShape, make_case, run
 from srv.sdk.native import (HUGE_PAGE, NativeBuildError, in_huge_pages, load_c_library, optional_c_library,
                              together_in_huge_pages)
 from srv.sdk.paths import write_atomically
@@ -372,3 +377,26 @@ def test_decode_attention_over_a_shared_prefix_gives_each_request_its_output_alo
         for layer, (q, k, v) in enumerate(case.qkv):
             out = backend.forward(q[i:i + 1], k[i:i + 1], v[i:i + 1], layer, alone)
             assert torch.equal(out[0], together[layer][i]), f"request {i}, layer {layer}"
+
+
+@pytest.mark.parametrize("isa", [name for name, flags in EXTEND_ISAS.items() if requires_cpu_flags(*flags)().ok])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
+                         ids=["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(9, 3, 64), (8, 1, 40), (4, 4, 100)],
+                         ids=["kv-heads-3", "kv-heads-1-head-dim-40", "kv-heads-4-head-dim-100"])
+def test_prefill_attention_kernel_matches_the_reference_in_each_instruction_set(isa, dtype, num_heads, num_kv_heads,
+                                                                               head_dim, monkeypatch):
+    """Every body this CPU runs (the conformance kit checks only the one picked), over prompts,
+    prefix hits and a batch of both whose requests span several of the kernel's chunks and item
+    blocks, on head sizes that do not fill a vector."""
+    monkeypatch.setenv("SRV_EXTEND_ATTENTION_ISA", isa)
+    monkeypatch.setattr(padded_sdpa, "extend_isa", functools.cache(padded_sdpa.extend_isa.__wrapped__))
+    case = make_case(BatchShape([0, 300, 3, 130], [200, 45, 1, 37]), num_heads=num_heads, num_kv_heads=num_kv_heads,
+                     head_dim=head_dim, dtype=dtype)
+    expected, _ = run(TorchNativeAttention(num_heads, num_kv_heads, head_dim, head_dim ** -0.5), case, torch.float32)
+    actual, batch = run(PaddedSDPAAttention(num_heads, num_kv_heads, head_dim, head_dim ** -0.5), case, dtype)
+    assert isinstance(batch.metadata["padded_sdpa"], padded_sdpa.ExtendStep)
+    tolerance = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}[dtype]
+    for layer, (out, ref) in enumerate(zip(actual, expected)):
+        assert out.dtype == dtype
+        torch.testing.assert_close(out.float(), ref, atol=tolerance, rtol=tolerance, msg=lambda m: f"layer {layer}: {m}")

@@ -1,9 +1,11 @@
 """A batched CPU backend (`intel_amx`, SGLang's name for its CPU backend).
 
-Prefill: the whole ragged batch as one padded scaled-dot-product attention. Queries are padded
-to the longest extend and keys to the longest sequence; one boolean mask carries causality and
-the padding, so prefill chunks and decode steps mix in one call with no Python loop per
-request. In bfloat16, torch runs it on oneDNN (AMX on CPUs that have it).
+Prefill (prompts, prefill chunks, draft tokens to verify): the C kernel of extend_attention.c
+reads each request's keys and values in place through its slot table, a KV head's keys once for
+all the query heads that share it, and computes in float32 whatever the cache's dtype; one call a
+layer for the whole ragged batch. A float8 cache's prefill runs as one padded
+scaled-dot-product attention: queries padded to the longest extend, keys to the longest
+sequence, one boolean mask for causality and the padding.
 
 Decode (one new token a request): the C kernel of decode_attention.c stores the step's keys and
 values, then reads each request's keys and values in place through its slot table, one call a
@@ -23,8 +25,8 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
-from srv.sdk.attention import AttentionBackend, ForwardBatch
-from srv.sdk.native import NativeKernel, load_c_library
+from srv.sdk.attention import AttentionBackend, ForwardBatch, KVCache
+from srv.sdk.native import NativeKernel, load_c_library, pick_isa
 
 KV_FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
 
@@ -38,6 +40,28 @@ def kernels() -> ctypes.CDLL:
     library.srv_decode_groups.restype = size
     library.srv_decode_groups.argtypes = [pointer, size, pointer, size, size, pointer]
     return library
+
+
+# The caches extend_attention.c reads, and its bodies with the CPU flags each needs (fastest first).
+EXTEND_FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+EXTEND_ISAS = {"avx512": ("avx512f", "avx512bw", "avx512vl", "avx2", "fma", "f16c"), "avx2": ("avx2", "fma", "f16c")}
+
+
+@functools.cache
+def extend_kernels() -> ctypes.CDLL:
+    # No instruction-set flags: each body is compiled for its own (target attributes).
+    library = load_c_library(Path(__file__).with_name("extend_attention.c"), ("-ffp-contract=fast", "-lm"))
+    pointer, size = ctypes.c_void_p, ctypes.c_int64
+    library.srv_extend_attention_layer.restype = None
+    library.srv_extend_attention_layer.argtypes = [pointer, size, pointer, size, pointer, size]
+    return library
+
+
+@functools.cache
+def extend_isa() -> int:
+    """The extend kernel's body for this CPU, as the kernel numbers them; $SRV_EXTEND_ATTENTION_ISA
+    picks a slower one, to test it."""
+    return {"avx512": 1, "avx2": 0}[pick_isa(EXTEND_ISAS, "SRV_EXTEND_ATTENTION_ISA")]
 
 
 class DecodeContext(ctypes.Structure):
@@ -67,6 +91,22 @@ def decode_context(k_caches: ctypes.Array, v_caches: ctypes.Array, kv_format: in
     return context, groups
 
 
+class ExtendContext(ctypes.Structure):
+    """What srv_extend_attention_layer reads: the caches of every layer and the batch's requests."""
+    _fields_ = [("k_caches", ctypes.c_void_p), ("v_caches", ctypes.c_void_p), ("kv_format", ctypes.c_int64),
+                ("kv_slots", ctypes.c_void_p), ("kv_slots_stride", ctypes.c_int64),
+                ("prefix_lens", ctypes.c_void_p), ("extend_lens", ctypes.c_void_p),
+                ("batch", ctypes.c_int64), ("heads", ctypes.c_int64), ("kv_heads", ctypes.c_int64),
+                ("d", ctypes.c_int64), ("scale", ctypes.c_float)]
+
+
+@dataclass
+class ExtendStep:
+    """A prefill batch's context for the extend kernel and the tensors it points into."""
+    context: ExtendContext
+    tensors: tuple[torch.Tensor, ...]
+
+
 @dataclass
 class DecodeStep:
     """A decode batch's kernel, its context and the tensors the context points into."""
@@ -78,7 +118,7 @@ class DecodeStep:
 class PaddedSDPAAttention(AttentionBackend):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, scale)
-        kernels()   # a compiler error now, at launch, rather than at the first decode step
+        kernels(), extend_kernels()   # a compiler error now, at launch, rather than at the first step
         # The layers' cache addresses for the kernel, per list of buffers, and a float8 cache's
         # scales as the kernel reads them.
         self.cache_addresses: tuple[list[torch.Tensor], list[torch.Tensor], ctypes.Array, ctypes.Array] | None = None
@@ -87,24 +127,34 @@ class PaddedSDPAAttention(AttentionBackend):
     def prepare(self, batch: ForwardBatch) -> None:
         if batch.is_decode:
             batch.metadata["padded_sdpa"] = self._decode_step(batch)
-            return
-        extend = torch.tensor(batch.extend_lens)
-        prefix = torch.tensor(batch.prefix_lens)
-        max_extend, max_seq = int(extend.max()), batch.kv_slots.shape[1]
-        j = torch.arange(max_extend)
-        valid_query = j[None, :] < extend[:, None]                                   # [B, Q]
-        query_pos = prefix[:, None] + j[None, :]                                     # [B, Q]
-        key_pos = torch.arange(max_seq)
-        mask = key_pos[None, None, :] <= query_pos[:, :, None]                       # [B, Q, K]
-        # Padding query rows attend to key 0 so softmax stays finite; their output is dropped.
-        mask |= (~valid_query[:, :, None]) & (key_pos[None, None, :] == 0)
-        batch.metadata["padded_sdpa"] = (mask[:, None], valid_query, max_extend)
+        elif batch.kv_cache.dtype in EXTEND_FORMATS:
+            batch.metadata["padded_sdpa"] = self._extend_step(batch)
+        else:
+            batch.metadata["padded_sdpa"] = padded_mask(batch)
+
+    def _extend_step(self, batch: ForwardBatch) -> ExtendStep:
+        k_caches, v_caches = self._cache_addresses(batch.kv_cache)
+        slots = batch.kv_slots.to(torch.int64).contiguous()
+        lens = torch.tensor([batch.prefix_lens, batch.extend_lens], dtype=torch.int64)
+        context = ExtendContext(ctypes.addressof(k_caches), ctypes.addressof(v_caches),
+                                EXTEND_FORMATS[batch.kv_cache.dtype], slots.data_ptr(), slots.stride(0),
+                                lens[0].data_ptr(), lens[1].data_ptr(), batch.batch_size, self.num_heads,
+                                self.num_kv_heads, self.head_dim, self.scale)
+        return ExtendStep(context, (slots, lens))
 
     def _decode_step(self, batch: ForwardBatch) -> DecodeStep:
         seq_lens = torch.tensor([length + 1 for length in batch.prefix_lens])
         slots = batch.kv_slots.to(torch.int64).contiguous()
         new_slots = batch.out_cache_loc.to(torch.int64).contiguous()
         cache = batch.kv_cache
+        k_caches, v_caches = self._cache_addresses(cache)
+        context, groups = decode_context(k_caches, v_caches, KV_FORMATS[cache.dtype], self.kv_scales, new_slots, slots,
+                                         seq_lens, self.num_heads, self.num_kv_heads, self.head_dim, self.scale)
+        return DecodeStep(NativeKernel.of(kernels().srv_decode_attention_layer, context), context,
+                          (seq_lens, slots, new_slots, groups))
+
+    def _cache_addresses(self, cache: KVCache) -> tuple[ctypes.Array, ctypes.Array]:
+        """Every layer's key and value buffer addresses, as the kernels read them, made once per cache."""
         known = self.cache_addresses
         if known is None or known[0] is not cache.k_buffers or known[1] is not cache.v_buffers:
             if cache.dtype not in KV_FORMATS:
@@ -115,12 +165,7 @@ class PaddedSDPAAttention(AttentionBackend):
                                       for buffers in (cache.k_buffers, cache.v_buffers)))
             self.kv_scales = torch.tensor([cache.k_scales, cache.v_scales], dtype=torch.float32) if cache.scaled \
                 else None
-        k_caches, v_caches = self.cache_addresses[2:]
-        context, groups = decode_context(k_caches, v_caches, KV_FORMATS[cache.dtype], self.kv_scales, new_slots, slots,
-                                         seq_lens, self.num_heads, self.num_kv_heads, self.head_dim, self.scale)
-        return DecodeStep(NativeKernel.of(kernels().srv_decode_attention_layer, context), context,
-                          (seq_lens, slots, new_slots, groups))
-
+        return self.cache_addresses[2], self.cache_addresses[3]
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 batch: ForwardBatch) -> torch.Tensor:
@@ -134,7 +179,14 @@ class PaddedSDPAAttention(AttentionBackend):
     def attend(self, q: torch.Tensor, layer_id: int, batch: ForwardBatch) -> torch.Tensor:
         if batch.is_decode:
             return self._decode(q, layer_id, batch)
-        mask, valid_query, max_extend = batch.metadata["padded_sdpa"]
+        step = batch.metadata["padded_sdpa"]
+        if isinstance(step, ExtendStep):
+            query = token_rows(q)
+            out = torch.empty(q.shape[0], self.num_heads, self.head_dim)
+            extend_kernels().srv_extend_attention_layer(ctypes.byref(step.context), layer_id, query.data_ptr(),
+                                                        query.stride(0), out.data_ptr(), extend_isa())
+            return out if q.dtype == torch.float32 else out.to(q.dtype)
+        mask, valid_query, max_extend = step
         # [B, KVH, K, D], contiguous per (request, head)
         k = batch.kv_cache.keys(layer_id, batch.kv_slots, q.dtype).transpose(1, 2).contiguous()
         v = batch.kv_cache.values(layer_id, batch.kv_slots, q.dtype).transpose(1, 2).contiguous()
@@ -166,3 +218,19 @@ def token_rows(x: torch.Tensor) -> torch.Tensor:
     if x.dtype == torch.float32 and x.stride(2) == 1 and x.stride(1) == x.shape[2]:
         return x
     return x.float().contiguous()
+
+
+def padded_mask(batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """A prefill batch as one padded SDPA reads it: the mask [B, 1, Q, K] that carries causality
+    and the padding, which query rows are real [B, Q], and the longest extend Q."""
+    extend = torch.tensor(batch.extend_lens)
+    prefix = torch.tensor(batch.prefix_lens)
+    max_extend, max_seq = int(extend.max()), batch.kv_slots.shape[1]
+    j = torch.arange(max_extend)
+    valid_query = j[None, :] < extend[:, None]                                   # [B, Q]
+    query_pos = prefix[:, None] + j[None, :]                                     # [B, Q]
+    key_pos = torch.arange(max_seq)
+    mask = key_pos[None, None, :] <= query_pos[:, :, None]                       # [B, Q, K]
+    # Padding query rows attend to key 0 so softmax stays finite; their output is dropped.
+    mask |= (~valid_query[:, :, None]) & (key_pos[None, None, :] == 0)
+    return mask[:, None], valid_query, max_extend

@@ -1,0 +1,345 @@
+/* Prefill attention on the KV cache in place: a batch's new tokens (prompts, prefill chunks,
+ * draft tokens to verify) over their requests' cached and new keys and values, causal, read
+ * through each request's slot table, with no padded copy of the batch.
+ *
+ * q [T][H][D] float32, tokens q_stride floats apart, each request's new tokens after the
+ * previous request's; k_cache, v_cache [slots][KVH][D] float32, bf16 or float16 (kv_format, as
+ * decode_attention.c numbers them); kv_slots [B][stride] int64, whose first prefix + extend
+ * entries of row b are request b's tokens (the new ones already stored); out [T][H][D] float32.
+ *
+ * An item is one request, one KV head and a block of its new tokens: its rows are the block's
+ * tokens times the H / KVH query heads that read that KV head, so each key read serves every one
+ * of them. OpenMP's threads (torch's runtime) take items in turn. An item walks the request's keys
+ * a chunk at a time, flash-attention style: scores for the chunk, the softmax's running maximum
+ * and sum brought up to date (the output so far rescaled), then the chunk's values added in.
+ * Keys past a row's own token are masked; chunks past the block's last token are never read.
+ *
+ * The products are outer products, so no sum runs across a vector's lanes:
+ *   scores: rows in the lanes; the queries transposed once an item ([D][rows]), a key's value
+ *           broadcast times a vector of rows (a tile of KEY_TILE keys by ROW_VECTORS vectors);
+ *   values: the head's values in the lanes; a row's probability broadcast times a vector of a
+ *           value row (a tile of ROW_TILE rows by VALUE_VECTORS vectors).
+ * The softmax runs down the columns of the chunk's scores, rows in the lanes, too.
+ *
+ * Instruction sets, picked per call (`isa`) by the Python side from the CPU's flags: 0 AVX2 with
+ * FMA and F16C, 1 AVX-512. One body (the end of this file, which includes itself once per set) on
+ * GCC's vector extension, each time with the set's register width and tiles that fit its
+ * registers; multiply-adds are fused (-ffp-contract=fast).
+ */
+
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#ifndef EXTEND_BODY
+
+enum { KV_FLOAT32 = 0, KV_BFLOAT16 = 1, KV_FLOAT16 = 2 };
+
+/* Keys a chunk: its scores ([CHUNK][rows]) and widened keys and values stay in L2. */
+#define CHUNK 128
+/* Rows an item aims at (tokens times query heads a KV head): enough to make each key read worth
+ * its widening, few enough that an extend of a few hundred tokens still gives every thread items. */
+#define ITEM_ROWS 96
+
+typedef struct {
+    const void *const *k_caches;     /* every layer's */
+    const void *const *v_caches;
+    int64_t kv_format;
+    const int64_t *kv_slots;         /* [batch][kv_slots_stride] */
+    int64_t kv_slots_stride;
+    const int64_t *prefix_lens;      /* [batch] */
+    const int64_t *extend_lens;      /* [batch] */
+    int64_t batch, heads, kv_heads, d;
+    float scale;
+} ExtendContext;
+
+typedef struct {
+    int64_t request, first, end;     /* the request's new tokens [first, end) */
+    int64_t q_row;                   /* the row of q of its token `first` */
+} Block;
+
+static inline int64_t round_up(int64_t n, int64_t multiple) { return (n + multiple - 1) / multiple * multiple; }
+
+#define INLINE static inline __attribute__((always_inline))
+
+#define EXTEND_BODY
+#define NAME(name) name##_avx512
+#define TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
+#define WIDTH 16
+#define KEY_TILE 4
+#define ROW_VECTORS 6
+#define ROW_TILE 4
+#define VALUE_VECTORS 4
+#include __FILE__
+
+#define NAME(name) name##_avx2
+#define TARGET __attribute__((target("avx2,fma,f16c")))
+#define WIDTH 8
+#define KEY_TILE 4
+#define ROW_VECTORS 3
+#define ROW_TILE 4
+#define VALUE_VECTORS 2
+#include __FILE__
+
+/* out = causal attention of q over the cache for every new token of the batch, layer `layer`. */
+void srv_extend_attention_layer(const ExtendContext *c, int64_t layer, const float *q, int64_t q_stride, float *out,
+                                int64_t isa) {
+    const int64_t group = c->heads / c->kv_heads;
+    const int64_t tokens_a_block = group >= ITEM_ROWS ? 1 : ITEM_ROWS / group;
+    int64_t count = 0;
+    for (int64_t b = 0; b < c->batch; b++) count += (c->extend_lens[b] + tokens_a_block - 1) / tokens_a_block;
+    Block *blocks = malloc((size_t)count * sizeof(Block));
+    int64_t n = 0, q_row = 0;
+    for (int64_t b = 0; b < c->batch; b++) {
+        for (int64_t first = 0; first < c->extend_lens[b]; first += tokens_a_block) {
+            const int64_t end = first + tokens_a_block < c->extend_lens[b] ? first + tokens_a_block : c->extend_lens[b];
+            blocks[n++] = (Block){b, first, end, q_row + first};
+        }
+        q_row += c->extend_lens[b];
+    }
+    if (isa == 1) extend_attention_avx512(c, c->k_caches[layer], c->v_caches[layer], blocks, count, tokens_a_block, q,
+                                          q_stride, out);
+    else extend_attention_avx2(c, c->k_caches[layer], c->v_caches[layer], blocks, count, tokens_a_block, q, q_stride,
+                               out);
+    free(blocks);
+}
+
+#else /* EXTEND_BODY: one instruction set's body */
+
+typedef float NAME(vf) __attribute__((vector_size(4 * WIDTH)));
+typedef int32_t NAME(vi) __attribute__((vector_size(4 * WIDTH)));
+typedef uint32_t NAME(vu) __attribute__((vector_size(4 * WIDTH)));
+typedef uint16_t NAME(vh) __attribute__((vector_size(2 * WIDTH)));
+typedef _Float16 NAME(vhf) __attribute__((vector_size(2 * WIDTH)));
+#define vf NAME(vf)
+#define vi NAME(vi)
+#define vu NAME(vu)
+#define vh NAME(vh)
+#define vhf NAME(vhf)
+
+TARGET INLINE vf NAME(load)(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
+TARGET INLINE void NAME(store)(float *p, vf v) { memcpy(p, &v, sizeof v); }
+TARGET INLINE vf NAME(select)(vi mask, vf yes, vf no) { return (vf)(((vi)yes & mask) | ((vi)no & ~mask)); }
+TARGET INLINE vf NAME(larger)(vf a, vf b) { return NAME(select)(a > b, a, b); }
+
+/* exp(x) for x <= 0 (or -inf): 2^n * e^r with |r| <= ln2 / 2, e^r by its degree-6 Taylor
+ * polynomial (relative error under 2e-7); below -87 it is 0. n is x / ln2 rounded by adding
+ * 1.5 * 2^23, which leaves it in the low bits of the sum. */
+TARGET INLINE vf NAME(exp_nonpositive)(vf x) {
+    const vi underflow = x < -87.0f;
+    x = NAME(select)(underflow, (vf){} - 87.0f, x);
+    const vf shifted = x * 1.44269504088896341f + 12582912.0f;
+    const vf n = shifted - 12582912.0f;
+    vf r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    vf p = r * (1.0f / 720.0f) + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const vi exponent = ((vi)shifted - 0x4B400000 + 127) << 23;
+    return (vf)((vi)(p * (vf)exponent) & ~underflow);
+}
+
+/* Rows [0, n) of one KV head's keys or values at `slots` as float32 rows `stride` floats apart,
+ * the columns from d to stride zero. */
+TARGET static void NAME(widen_rows)(const void *cache, int64_t format, const int64_t *slots, int64_t n, int64_t head,
+                                    int64_t kv_heads, int64_t d, float *rows, int64_t stride) {
+    for (int64_t t = 0; t < n; t++) {
+        const int64_t offset = (slots[t] * kv_heads + head) * d;
+        float *row = rows + t * stride;
+        int64_t i = 0;
+        if (format == KV_FLOAT32) {
+            memcpy(row, (const float *)cache + offset, d * sizeof(float));
+            i = d;
+        } else if (format == KV_BFLOAT16) {
+            const uint16_t *src = (const uint16_t *)cache + offset;
+            for (; i + WIDTH <= d; i += WIDTH) {
+                vh h;
+                memcpy(&h, src + i, sizeof h);
+                NAME(store)(row + i, (vf)(__builtin_convertvector(h, vu) << 16));
+            }
+            for (; i < d; i++) {
+                const uint32_t bits = (uint32_t)src[i] << 16;
+                memcpy(row + i, &bits, sizeof(float));
+            }
+        } else {
+            const _Float16 *src = (const _Float16 *)cache + offset;
+            for (; i + WIDTH <= d; i += WIDTH) {
+                vhf h;
+                memcpy(&h, src + i, sizeof h);
+                NAME(store)(row + i, __builtin_convertvector(h, vf));
+            }
+            for (; i < d; i++) row[i] = (float)src[i];
+        }
+        for (; i < stride; i++) row[i] = 0.0f;
+    }
+}
+
+/* scores[k][rows] = scale * keys[k] . queries[rows] for KEY_TILE keys and `vectors` (constant,
+ * at most ROW_VECTORS) vectors of rows; qt [d][row_stride], the queries transposed. */
+TARGET INLINE void NAME(score_tile)(const float *qt, int64_t row_stride, const float *keys, int64_t key_stride,
+                                    int64_t d, float scale, float *scores, const int vectors) {
+    vf acc[KEY_TILE][ROW_VECTORS];
+    for (int k = 0; k < KEY_TILE; k++)
+        for (int j = 0; j < vectors; j++) acc[k][j] = (vf){};
+    for (int64_t e = 0; e < d; e++) {
+        vf qv[ROW_VECTORS];
+        for (int j = 0; j < vectors; j++) qv[j] = NAME(load)(qt + e * row_stride + j * WIDTH);
+        for (int k = 0; k < KEY_TILE; k++) {
+            const float key = keys[k * key_stride + e];
+            for (int j = 0; j < vectors; j++) acc[k][j] += qv[j] * key;
+        }
+    }
+    for (int k = 0; k < KEY_TILE; k++)
+        for (int j = 0; j < vectors; j++) NAME(store)(scores + k * row_stride + j * WIDTH, acc[k][j] * scale);
+}
+
+/* out[ROW_TILE rows][vectors (constant, at most VALUE_VECTORS) vectors] += sum over k < len of
+ * p[k][row] * values[k]; p is the chunk's probabilities [k][row_stride]. */
+TARGET INLINE void NAME(value_tile)(const float *p, int64_t row_stride, const float *values, int64_t value_stride,
+                                    int64_t len, float *out, const int vectors) {
+    vf acc[ROW_TILE][VALUE_VECTORS];
+    for (int r = 0; r < ROW_TILE; r++)
+        for (int j = 0; j < vectors; j++) acc[r][j] = NAME(load)(out + r * value_stride + j * WIDTH);
+    for (int64_t k = 0; k < len; k++) {
+        vf v[VALUE_VECTORS];
+        for (int j = 0; j < vectors; j++) v[j] = NAME(load)(values + k * value_stride + j * WIDTH);
+        for (int r = 0; r < ROW_TILE; r++) {
+            const float pr = p[k * row_stride + r];
+            for (int j = 0; j < vectors; j++) acc[r][j] += v[j] * pr;
+        }
+    }
+    for (int r = 0; r < ROW_TILE; r++)
+        for (int j = 0; j < vectors; j++) NAME(store)(out + r * value_stride + j * WIDTH, acc[r][j]);
+}
+
+TARGET static void NAME(extend_attention)(const ExtendContext *c, const void *k_cache, const void *v_cache,
+                                          const Block *blocks, int64_t count, int64_t tokens_a_block,
+                                          const float *q, int64_t q_stride, float *out) {
+    const int64_t d = c->d, group = c->heads / c->kv_heads, kv_heads = c->kv_heads;
+    const int64_t d_pad = round_up(d, WIDTH), row_stride = round_up(tokens_a_block * group, WIDTH);
+    const int64_t value_vectors = d_pad / WIDTH;
+#pragma omp parallel
+    {
+        /* queries transposed [d][rows], scores [CHUNK][rows], keys and values [CHUNK][d_pad], the
+         * output [rows][d_pad], and each row's position, running maximum, sum and rescaling */
+        const int64_t floats = d * row_stride + CHUNK * row_stride + 2 * CHUNK * d_pad + row_stride * d_pad
+                               + 4 * row_stride;
+        float *scratch = aligned_alloc(64, (size_t)round_up(floats * sizeof(float), 64));
+        float *qt = scratch, *scores = qt + d * row_stride, *keys = scores + CHUNK * row_stride;
+        float *values = keys + CHUNK * d_pad, *o = values + CHUNK * d_pad, *position = o + row_stride * d_pad;
+        float *maximum = position + row_stride, *sum = maximum + row_stride, *rescale = sum + row_stride;
+#pragma omp for schedule(dynamic)
+        for (int64_t item = 0; item < count * kv_heads; item++) {
+            const Block *block = blocks + item / kv_heads;
+            const int64_t head = item % kv_heads, b = block->request, prefix = c->prefix_lens[b];
+            const int64_t rows = (block->end - block->first) * group, vectors = round_up(rows, WIDTH) / WIDTH;
+            const int64_t *slots = c->kv_slots + b * c->kv_slots_stride;
+            /* row r: token first + r / group, query head head * group + r % group; the padding
+             * rows (zero queries) are never masked and never written out */
+            for (int64_t r = 0; r < vectors * WIDTH; r++) {
+                const int64_t token = block->first + r / group;
+                const float *query = q + (block->q_row + r / group) * q_stride + (head * group + r % group) * d;
+                for (int64_t e = 0; e < d; e++) qt[e * row_stride + r] = r < rows ? query[e] : 0.0f;
+                position[r] = r < rows ? (float)(prefix + token) : INFINITY;
+                maximum[r] = -INFINITY;
+                sum[r] = 0.0f;
+            }
+            memset(o, 0, (size_t)(vectors * WIDTH * d_pad) * sizeof(float));
+            const int64_t n = prefix + block->end;   /* keys the block's last token reads */
+            for (int64_t k0 = 0; k0 < n; k0 += CHUNK) {
+                const int64_t len = n - k0 < CHUNK ? n - k0 : CHUNK, padded = round_up(len, KEY_TILE);
+                NAME(widen_rows)(k_cache, c->kv_format, slots + k0, len, head, kv_heads, d, keys, d_pad);
+                NAME(widen_rows)(v_cache, c->kv_format, slots + k0, len, head, kv_heads, d, values, d_pad);
+                for (int64_t k = len; k < padded; k++) memset(keys + k * d_pad, 0, d_pad * sizeof(float));
+                for (int64_t k = 0; k < padded; k += KEY_TILE)
+                    for (int64_t j = 0; j < vectors; j += ROW_VECTORS) {
+                        const float *qj = qt + j * WIDTH;
+                        float *sj = scores + k * row_stride + j * WIDTH;
+                        switch (vectors - j < ROW_VECTORS ? vectors - j : ROW_VECTORS) {
+                        case 1: NAME(score_tile)(qj, row_stride, keys + k * d_pad, d_pad, d, c->scale, sj, 1); break;
+                        case 2: NAME(score_tile)(qj, row_stride, keys + k * d_pad, d_pad, d, c->scale, sj, 2); break;
+                        case 3: NAME(score_tile)(qj, row_stride, keys + k * d_pad, d_pad, d, c->scale, sj, 3); break;
+#if ROW_VECTORS > 3
+                        case 4: NAME(score_tile)(qj, row_stride, keys + k * d_pad, d_pad, d, c->scale, sj, 4); break;
+                        case 5: NAME(score_tile)(qj, row_stride, keys + k * d_pad, d_pad, d, c->scale, sj, 5); break;
+                        case 6: NAME(score_tile)(qj, row_stride, keys + k * d_pad, d_pad, d, c->scale, sj, 6); break;
+#endif
+                        }
+                    }
+                /* the softmax's running state, rows in the lanes; keys past a row's token (and
+                 * the chunk's padding keys, past every row's) count as minus infinity */
+                const int masked = k0 + padded > prefix + block->first + 1;
+                for (int64_t j = 0; j < vectors; j++) {
+                    const vf where = NAME(load)(position + j * WIDTH);
+                    vf largest = NAME(load)(maximum + j * WIDTH);
+                    const vf before = largest;
+                    for (int64_t k = 0; k < padded; k++) {
+                        vf s = NAME(load)(scores + k * row_stride + j * WIDTH);
+                        if (masked) {
+                            s = NAME(select)((float)(k0 + k) > where, (vf){} - INFINITY, s);
+                            NAME(store)(scores + k * row_stride + j * WIDTH, s);
+                        }
+                        largest = NAME(larger)(s, largest);
+                    }
+                    vf total = (vf){};
+                    for (int64_t k = 0; k < padded; k++) {
+                        float *at = scores + k * row_stride + j * WIDTH;
+                        const vf e = NAME(exp_nonpositive)(NAME(load)(at) - largest);
+                        NAME(store)(at, e);
+                        total += e;
+                    }
+                    const vf factor = NAME(exp_nonpositive)(before - largest);
+                    NAME(store)(sum + j * WIDTH, NAME(load)(sum + j * WIDTH) * factor + total);
+                    NAME(store)(maximum + j * WIDTH, largest);
+                    NAME(store)(rescale + j * WIDTH, factor);
+                }
+                if (k0 > 0)
+                    for (int64_t r = 0; r < vectors * WIDTH; r++)
+                        for (int64_t e = 0; e < d_pad; e += WIDTH)
+                            NAME(store)(o + r * d_pad + e, NAME(load)(o + r * d_pad + e) * rescale[r]);
+                for (int64_t r = 0; r < vectors * WIDTH; r += ROW_TILE)
+                    for (int64_t j = 0; j < value_vectors; j += VALUE_VECTORS) {
+                        const float *pr = scores + r;
+                        float *out_rj = o + r * d_pad + j * WIDTH;
+                        const float *vj = values + j * WIDTH;
+                        switch (value_vectors - j < VALUE_VECTORS ? value_vectors - j : VALUE_VECTORS) {
+                        case 1: NAME(value_tile)(pr, row_stride, vj, d_pad, len, out_rj, 1); break;
+#if VALUE_VECTORS > 1
+                        case 2: NAME(value_tile)(pr, row_stride, vj, d_pad, len, out_rj, 2); break;
+#endif
+#if VALUE_VECTORS > 2
+                        case 3: NAME(value_tile)(pr, row_stride, vj, d_pad, len, out_rj, 3); break;
+                        case 4: NAME(value_tile)(pr, row_stride, vj, d_pad, len, out_rj, 4); break;
+#endif
+                        }
+                    }
+            }
+            for (int64_t r = 0; r < rows; r++) {
+                float *target = out + (block->q_row + r / group) * c->heads * d + (head * group + r % group) * d;
+                const float inverse = 1.0f / sum[r];
+                for (int64_t e = 0; e < d; e++) target[e] = o[r * d_pad + e] * inverse;
+            }
+        }
+        free(scratch);
+    }
+}
+
+#undef vf
+#undef vi
+#undef vu
+#undef vh
+#undef vhf
+#undef NAME
+#undef TARGET
+#undef WIDTH
+#undef KEY_TILE
+#undef ROW_VECTORS
+#undef ROW_TILE
+#undef VALUE_VECTORS
+
+#endif /* EXTEND_BODY */
