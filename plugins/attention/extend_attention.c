@@ -42,6 +42,8 @@ enum { KV_FLOAT32 = 0, KV_BFLOAT16 = 1, KV_FLOAT16 = 2 };
 /* Rows an item aims at (tokens times query heads a KV head): enough to make each key read worth
  * its widening, few enough that an extend of a few hundred tokens still gives every thread items. */
 #define ITEM_ROWS 96
+/* Rows are scattered over the cache: each is asked for this many rows before it is widened. */
+#define WIDEN_AHEAD 16
 
 typedef struct {
     const void *const *k_caches;     /* every layer's */
@@ -61,6 +63,21 @@ typedef struct {
 } Block;
 
 static inline int64_t round_up(int64_t n, int64_t multiple) { return (n + multiple - 1) / multiple * multiple; }
+
+/* Each thread's scratch, kept from call to call (OpenMP's threads live on): its size depends on the
+ * head size and the heads a KV head serves, not on the context, and a fresh allocation of it every
+ * layer was a fresh mapping, faulted in page by page. */
+static _Thread_local float *scratch_floats;
+static _Thread_local int64_t scratch_size;
+
+static float *thread_scratch(int64_t floats) {
+    if (floats > scratch_size) {
+        free(scratch_floats);
+        scratch_floats = aligned_alloc(64, (size_t)round_up(floats * (int64_t)sizeof(float), 64));
+        scratch_size = floats;
+    }
+    return scratch_floats;
+}
 
 #define INLINE static inline __attribute__((always_inline))
 
@@ -119,6 +136,8 @@ typedef _Float16 NAME(vhf) __attribute__((vector_size(2 * WIDTH)));
 #define vh NAME(vh)
 #define vhf NAME(vhf)
 
+_Static_assert(CHUNK % KEY_TILE == 0 && WIDTH % ROW_TILE == 0, "a chunk holds whole key tiles, a vector whole row tiles");
+
 TARGET INLINE vf NAME(load)(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
 TARGET INLINE void NAME(store)(float *p, vf v) { memcpy(p, &v, sizeof v); }
 TARGET INLINE vf NAME(select)(vi mask, vf yes, vf no) { return (vf)(((vi)yes & mask) | ((vi)no & ~mask)); }
@@ -148,8 +167,13 @@ TARGET INLINE vf NAME(exp_nonpositive)(vf x) {
  * the columns from d to stride zero. */
 TARGET static void NAME(widen_rows)(const void *cache, int64_t format, const int64_t *slots, int64_t n, int64_t head,
                                     int64_t kv_heads, int64_t d, float *rows, int64_t stride) {
+    const int64_t row_bytes = d * (format == KV_FLOAT32 ? 4 : 2);
     for (int64_t t = 0; t < n; t++) {
         const int64_t offset = (slots[t] * kv_heads + head) * d;
+        if (t + WIDEN_AHEAD < n) {
+            const char *ahead = (const char *)cache + (slots[t + WIDEN_AHEAD] * kv_heads + head) * row_bytes;
+            for (int64_t line = 0; line < row_bytes; line += 64) __builtin_prefetch(ahead + line);
+        }
         float *row = rows + t * stride;
         int64_t i = 0;
         if (format == KV_FLOAT32) {
@@ -229,7 +253,7 @@ TARGET static void NAME(extend_attention)(const ExtendContext *c, const void *k_
          * output [rows][d_pad], and each row's position, running maximum, sum and rescaling */
         const int64_t floats = d * row_stride + CHUNK * row_stride + 2 * CHUNK * d_pad + row_stride * d_pad
                                + 4 * row_stride;
-        float *scratch = aligned_alloc(64, (size_t)round_up(floats * sizeof(float), 64));
+        float *scratch = thread_scratch(floats);
         float *qt = scratch, *scores = qt + d * row_stride, *keys = scores + CHUNK * row_stride;
         float *values = keys + CHUNK * d_pad, *o = values + CHUNK * d_pad, *position = o + row_stride * d_pad;
         float *maximum = position + row_stride, *sum = maximum + row_stride, *rescale = sum + row_stride;
@@ -261,14 +285,24 @@ TARGET static void NAME(extend_attention)(const ExtendContext *c, const void *k_
                         const float *qj = qt + j * WIDTH;
                         float *sj = scores + k * row_stride + j * WIDTH;
                         switch (vectors - j < ROW_VECTORS ? vectors - j : ROW_VECTORS) {
-                        case 1: NAME(score_tile)(qj, row_stride, keys + k * d_pad, d_pad, d, c->scale, sj, 1); break;
-                        case 2: NAME(score_tile)(qj, row_stride, keys + k * d_pad, d_pad, d, c->scale, sj, 2); break;
-                        case 3: NAME(score_tile)(qj, row_stride, keys + k * d_pad, d_pad, d, c->scale, sj, 3); break;
-#if ROW_VECTORS > 3
-                        case 4: NAME(score_tile)(qj, row_stride, keys + k * d_pad, d_pad, d, c->scale, sj, 4); break;
-                        case 5: NAME(score_tile)(qj, row_stride, keys + k * d_pad, d_pad, d, c->scale, sj, 5); break;
-                        case 6: NAME(score_tile)(qj, row_stride, keys + k * d_pad, d_pad, d, c->scale, sj, 6); break;
+#define SCORE_TILE(n) NAME(score_tile)(qj, row_stride, keys + k * d_pad, d_pad, d, c->scale, sj, n)
+                        case 1: SCORE_TILE(1); break;
+#if ROW_VECTORS > 1
+                        case 2: SCORE_TILE(2); break;
 #endif
+#if ROW_VECTORS > 2
+                        case 3: SCORE_TILE(3); break;
+#endif
+#if ROW_VECTORS > 3
+                        case 4: SCORE_TILE(4); break;
+#endif
+#if ROW_VECTORS > 4
+                        case 5: SCORE_TILE(5); break;
+#endif
+#if ROW_VECTORS > 5
+                        case 6: SCORE_TILE(6); break;
+#endif
+#undef SCORE_TILE
                         }
                     }
                 /* the softmax's running state, rows in the lanes; keys past a row's token (and
@@ -308,14 +342,18 @@ TARGET static void NAME(extend_attention)(const ExtendContext *c, const void *k_
                         float *out_rj = o + r * d_pad + j * WIDTH;
                         const float *vj = values + j * WIDTH;
                         switch (value_vectors - j < VALUE_VECTORS ? value_vectors - j : VALUE_VECTORS) {
-                        case 1: NAME(value_tile)(pr, row_stride, vj, d_pad, len, out_rj, 1); break;
+#define VALUE_TILE(n) NAME(value_tile)(pr, row_stride, vj, d_pad, len, out_rj, n)
+                        case 1: VALUE_TILE(1); break;
 #if VALUE_VECTORS > 1
-                        case 2: NAME(value_tile)(pr, row_stride, vj, d_pad, len, out_rj, 2); break;
+                        case 2: VALUE_TILE(2); break;
 #endif
 #if VALUE_VECTORS > 2
-                        case 3: NAME(value_tile)(pr, row_stride, vj, d_pad, len, out_rj, 3); break;
-                        case 4: NAME(value_tile)(pr, row_stride, vj, d_pad, len, out_rj, 4); break;
+                        case 3: VALUE_TILE(3); break;
 #endif
+#if VALUE_VECTORS > 3
+                        case 4: VALUE_TILE(4); break;
+#endif
+#undef VALUE_TILE
                         }
                     }
             }
@@ -325,7 +363,6 @@ TARGET static void NAME(extend_attention)(const ExtendContext *c, const void *k_
                 for (int64_t e = 0; e < d; e++) target[e] = o[r * d_pad + e] * inverse;
             }
         }
-        free(scratch);
     }
 }
 
