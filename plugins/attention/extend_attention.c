@@ -27,6 +27,7 @@
  * registers; multiply-adds are fused (-ffp-contract=fast).
  */
 
+#include <immintrin.h>
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
@@ -91,6 +92,16 @@ static float *thread_scratch(int64_t floats) {
 #define VALUE_VECTORS 4
 #include __FILE__
 
+#define NAME(name) name##_avx512bf16
+#define TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")))
+#define BF16_DOT
+#define WIDTH 16
+#define KEY_TILE 4
+#define ROW_VECTORS 6
+#define ROW_TILE 4
+#define VALUE_VECTORS 4
+#include __FILE__
+
 #define NAME(name) name##_avx2
 #define TARGET __attribute__((target("avx2,fma,f16c")))
 #define WIDTH 8
@@ -116,8 +127,10 @@ void srv_extend_attention_layer(const ExtendContext *c, int64_t layer, const flo
         }
         q_row += c->extend_lens[b];
     }
-    if (isa == 1) extend_attention_avx512(c, c->k_caches[layer], c->v_caches[layer], blocks, count, tokens_a_block, q,
-                                          q_stride, out);
+    if (isa == 2) extend_attention_avx512bf16(c, c->k_caches[layer], c->v_caches[layer], blocks, count, tokens_a_block,
+                                              q, q_stride, out);
+    else if (isa == 1) extend_attention_avx512(c, c->k_caches[layer], c->v_caches[layer], blocks, count, tokens_a_block,
+                                               q, q_stride, out);
     else extend_attention_avx2(c, c->k_caches[layer], c->v_caches[layer], blocks, count, tokens_a_block, q, q_stride,
                                out);
     free(blocks);
@@ -163,6 +176,7 @@ TARGET INLINE vf NAME(exp_nonpositive)(vf x) {
     return (vf)((vi)(p * (vf)exponent) & ~underflow);
 }
 
+#ifndef BF16_DOT
 /* Rows [0, n) of one KV head's keys or values at `slots` as float32 rows `stride` floats apart,
  * the columns from d to stride zero. */
 TARGET static void NAME(widen_rows)(const void *cache, int64_t format, const int64_t *slots, int64_t n, int64_t head,
@@ -202,6 +216,7 @@ TARGET static void NAME(widen_rows)(const void *cache, int64_t format, const int
         for (; i < stride; i++) row[i] = 0.0f;
     }
 }
+#endif
 
 /* scores[k][rows] = scale * keys[k] . queries[rows] for KEY_TILE keys and `vectors` (constant,
  * at most ROW_VECTORS) vectors of rows; qt [d][row_stride], the queries transposed. */
@@ -241,6 +256,121 @@ TARGET INLINE void NAME(value_tile)(const float *p, int64_t row_stride, const fl
         for (int j = 0; j < vectors; j++) NAME(store)(out + r * value_stride + j * WIDTH, acc[r][j]);
 }
 
+#ifdef BF16_DOT
+/* The bf16 products (AVX512_BF16's VDPBF16PS: a lane sums two products of bf16 pairs in float32):
+ * the queries, the keys and the values are bf16 already; the probabilities are rounded to bf16
+ * for the values' products, as a bf16 matrix product would round them. A pair is a 32-bit word,
+ * its first element in the low half. */
+
+/* Rows [0, n) of one KV head's bf16 keys at `slots`, `stride` elements apart (d rounded up to
+ * even, the padding zero), and rows n to `padded` zero. */
+TARGET static void NAME(copy_keys)(const uint16_t *cache, const int64_t *slots, int64_t n, int64_t padded,
+                                   int64_t head, int64_t kv_heads, int64_t d, uint16_t *rows, int64_t stride) {
+    for (int64_t t = 0; t < padded; t++) {
+        uint16_t *row = rows + t * stride;
+        if (t >= n) {
+            memset(row, 0, stride * sizeof(uint16_t));
+            continue;
+        }
+        if (t + WIDEN_AHEAD < n) {
+            const char *ahead = (const char *)(cache + (slots[t + WIDEN_AHEAD] * kv_heads + head) * d);
+            for (int64_t line = 0; line < d * 2; line += 64) __builtin_prefetch(ahead + line);
+        }
+        memcpy(row, cache + (slots[t] * kv_heads + head) * d, d * sizeof(uint16_t));
+        if (stride > d) row[d] = 0;
+    }
+}
+
+/* The values of keys 2i and 2i + 1 side by side: pairs[i][e] holds both keys' value e, for
+ * i < padded / 2 and e < d_pad, zero past d and past key n. */
+TARGET static void NAME(pair_values)(const uint16_t *cache, const int64_t *slots, int64_t n, int64_t padded,
+                                     int64_t head, int64_t kv_heads, int64_t d, int64_t d_pad, uint32_t *pairs) {
+    __m512i low = _mm512_setzero_si512(), high = _mm512_setzero_si512();
+    uint16_t low_index[32], high_index[32];
+    for (int i = 0; i < 32; i++) {
+        low_index[i] = (uint16_t)((i % 2 ? 32 : 0) + i / 2);
+        high_index[i] = (uint16_t)((i % 2 ? 32 : 0) + 16 + i / 2);
+    }
+    low = _mm512_loadu_si512(low_index);
+    high = _mm512_loadu_si512(high_index);
+    for (int64_t i = 0; i < padded / 2; i++) {
+        const int64_t t = 2 * i;
+        if (t + WIDEN_AHEAD + 1 < n)
+            for (int u = 0; u < 2; u++) {
+                const char *ahead = (const char *)(cache + (slots[t + WIDEN_AHEAD + u] * kv_heads + head) * d);
+                for (int64_t line = 0; line < d * 2; line += 64) __builtin_prefetch(ahead + line);
+            }
+        const uint16_t *first = t < n ? cache + (slots[t] * kv_heads + head) * d : NULL;
+        const uint16_t *second = t + 1 < n ? cache + (slots[t + 1] * kv_heads + head) * d : NULL;
+        for (int64_t e = 0; e < d_pad; e += 32) {
+            const int64_t left = d - e;
+            const __mmask32 mask = left >= 32 ? (__mmask32)~0u : (left > 0 ? (__mmask32)((1u << left) - 1) : 0);
+            const __m512i a = first ? _mm512_maskz_loadu_epi16(mask, first + e) : _mm512_setzero_si512();
+            const __m512i b = second ? _mm512_maskz_loadu_epi16(mask, second + e) : _mm512_setzero_si512();
+            _mm512_storeu_si512(pairs + i * d_pad + e, _mm512_permutex2var_epi16(a, low, b));
+            if (e + 16 < d_pad) _mm512_storeu_si512(pairs + i * d_pad + e + 16, _mm512_permutex2var_epi16(a, high, b));
+        }
+    }
+}
+
+/* p2[i][rows] = the probabilities of keys 2i and 2i + 1 in bf16 pairs, for i < padded / 2. */
+TARGET static void NAME(pair_probabilities)(const float *p, int64_t padded, int64_t vectors, int64_t row_stride,
+                                            uint32_t *p2) {
+    uint16_t order[32];
+    for (int i = 0; i < 32; i++) order[i] = (uint16_t)((i % 2 ? 16 : 0) + i / 2);
+    const __m512i interleave = _mm512_loadu_si512(order);
+    for (int64_t i = 0; i < padded / 2; i++)
+        for (int64_t j = 0; j < vectors; j++) {
+            const __m512 even = _mm512_loadu_ps(p + 2 * i * row_stride + j * WIDTH);
+            const __m512 odd = _mm512_loadu_ps(p + (2 * i + 1) * row_stride + j * WIDTH);
+            const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(odd, even);   /* even in the low half */
+            _mm512_storeu_si512(p2 + i * row_stride + j * WIDTH, _mm512_permutexvar_epi16(interleave, both));
+        }
+}
+
+/* score_tile's products on bf16 pairs: qt2 [d / 2][row_stride] pairs of the queries, keys
+ * [KEY_TILE][key_stride] bf16. */
+TARGET INLINE void NAME(score_tile_bf16)(const uint32_t *qt2, int64_t row_stride, const uint16_t *keys,
+                                         int64_t key_stride, int64_t pairs, float scale, float *scores,
+                                         const int vectors) {
+    __m512 acc[KEY_TILE][ROW_VECTORS];
+    for (int k = 0; k < KEY_TILE; k++)
+        for (int j = 0; j < vectors; j++) acc[k][j] = _mm512_setzero_ps();
+    for (int64_t e = 0; e < pairs; e++) {
+        __m512bh qv[ROW_VECTORS];
+        for (int j = 0; j < vectors; j++) qv[j] = (__m512bh)_mm512_loadu_si512(qt2 + e * row_stride + j * WIDTH);
+        for (int k = 0; k < KEY_TILE; k++) {
+            int32_t pair;
+            memcpy(&pair, keys + k * key_stride + 2 * e, sizeof pair);
+            const __m512bh key = (__m512bh)_mm512_set1_epi32(pair);
+            for (int j = 0; j < vectors; j++) acc[k][j] = _mm512_dpbf16_ps(acc[k][j], qv[j], key);
+        }
+    }
+    const __m512 factor = _mm512_set1_ps(scale);
+    for (int k = 0; k < KEY_TILE; k++)
+        for (int j = 0; j < vectors; j++)
+            _mm512_storeu_ps(scores + k * row_stride + j * WIDTH, _mm512_mul_ps(acc[k][j], factor));
+}
+
+/* value_tile's products on bf16 pairs of keys: p2 [len2][row_stride], values [len2][value_stride]. */
+TARGET INLINE void NAME(value_tile_bf16)(const uint32_t *p2, int64_t row_stride, const uint32_t *values,
+                                         int64_t value_stride, int64_t len2, float *out, const int vectors) {
+    __m512 acc[ROW_TILE][VALUE_VECTORS];
+    for (int r = 0; r < ROW_TILE; r++)
+        for (int j = 0; j < vectors; j++) acc[r][j] = _mm512_loadu_ps(out + r * value_stride + j * WIDTH);
+    for (int64_t i = 0; i < len2; i++) {
+        __m512bh v[VALUE_VECTORS];
+        for (int j = 0; j < vectors; j++) v[j] = (__m512bh)_mm512_loadu_si512(values + i * value_stride + j * WIDTH);
+        for (int r = 0; r < ROW_TILE; r++) {
+            const __m512bh pr = (__m512bh)_mm512_set1_epi32((int32_t)p2[i * row_stride + r]);
+            for (int j = 0; j < vectors; j++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], v[j], pr);
+        }
+    }
+    for (int r = 0; r < ROW_TILE; r++)
+        for (int j = 0; j < vectors; j++) _mm512_storeu_ps(out + r * value_stride + j * WIDTH, acc[r][j]);
+}
+#endif
+
 TARGET static void NAME(extend_attention)(const ExtendContext *c, const void *k_cache, const void *v_cache,
                                           const Block *blocks, int64_t count, int64_t tokens_a_block,
                                           const float *q, int64_t q_stride, float *out) {
@@ -252,11 +382,17 @@ TARGET static void NAME(extend_attention)(const ExtendContext *c, const void *k_
         /* queries transposed [d][rows], scores [CHUNK][rows], keys and values [CHUNK][d_pad], the
          * output [rows][d_pad], and each row's position, running maximum, sum and rescaling */
         const int64_t floats = d * row_stride + CHUNK * row_stride + 2 * CHUNK * d_pad + row_stride * d_pad
-                               + 4 * row_stride;
+                               + 4 * row_stride + CHUNK / 2 * row_stride;
         float *scratch = thread_scratch(floats);
         float *qt = scratch, *scores = qt + d * row_stride, *keys = scores + CHUNK * row_stride;
         float *values = keys + CHUNK * d_pad, *o = values + CHUNK * d_pad, *position = o + row_stride * d_pad;
         float *maximum = position + row_stride, *sum = maximum + row_stride, *rescale = sum + row_stride;
+#ifdef BF16_DOT
+        /* the same places hold the queries, keys and values in bf16 pairs, and the probabilities' pairs */
+        uint32_t *qt2 = (uint32_t *)qt, *value_pairs = (uint32_t *)values, *p2 = (uint32_t *)(rescale + row_stride);
+        uint16_t *key_rows = (uint16_t *)keys;
+        const int64_t d_even = round_up(d, 2);
+#endif
 #pragma omp for schedule(dynamic)
         for (int64_t item = 0; item < count * kv_heads; item++) {
             const Block *block = blocks + item / kv_heads;
@@ -268,7 +404,20 @@ TARGET static void NAME(extend_attention)(const ExtendContext *c, const void *k_
             for (int64_t r = 0; r < vectors * WIDTH; r++) {
                 const int64_t token = block->first + r / group;
                 const float *query = q + (block->q_row + r / group) * q_stride + (head * group + r % group) * d;
+#ifdef BF16_DOT
+                for (int64_t e = 0; e < d; e += 2) {
+                    uint32_t pair = 0;
+                    if (r < rows) {   /* the queries are bf16 values: their float32 bits' high half */
+                        uint32_t first, second = 0;
+                        memcpy(&first, query + e, sizeof first);
+                        if (e + 1 < d) memcpy(&second, query + e + 1, sizeof second);
+                        pair = (first >> 16) | (second & 0xFFFF0000u);
+                    }
+                    qt2[e / 2 * row_stride + r] = pair;
+                }
+#else
                 for (int64_t e = 0; e < d; e++) qt[e * row_stride + r] = r < rows ? query[e] : 0.0f;
+#endif
                 position[r] = r < rows ? (float)(prefix + token) : INFINITY;
                 maximum[r] = -INFINITY;
                 sum[r] = 0.0f;
@@ -277,15 +426,25 @@ TARGET static void NAME(extend_attention)(const ExtendContext *c, const void *k_
             const int64_t n = prefix + block->end;   /* keys the block's last token reads */
             for (int64_t k0 = 0; k0 < n; k0 += CHUNK) {
                 const int64_t len = n - k0 < CHUNK ? n - k0 : CHUNK, padded = round_up(len, KEY_TILE);
+#ifdef BF16_DOT
+                NAME(copy_keys)(k_cache, slots + k0, len, padded, head, kv_heads, d, key_rows, d_even);
+                NAME(pair_values)(v_cache, slots + k0, len, padded, head, kv_heads, d, d_pad, value_pairs);
+#else
                 NAME(widen_rows)(k_cache, c->kv_format, slots + k0, len, head, kv_heads, d, keys, d_pad);
                 NAME(widen_rows)(v_cache, c->kv_format, slots + k0, len, head, kv_heads, d, values, d_pad);
                 for (int64_t k = len; k < padded; k++) memset(keys + k * d_pad, 0, d_pad * sizeof(float));
+#endif
                 for (int64_t k = 0; k < padded; k += KEY_TILE)
                     for (int64_t j = 0; j < vectors; j += ROW_VECTORS) {
                         const float *qj = qt + j * WIDTH;
                         float *sj = scores + k * row_stride + j * WIDTH;
                         switch (vectors - j < ROW_VECTORS ? vectors - j : ROW_VECTORS) {
+#ifdef BF16_DOT
+#define SCORE_TILE(n) NAME(score_tile_bf16)((const uint32_t *)qj, row_stride, key_rows + k * d_even, d_even, d_even / 2, \
+                                       c->scale, sj, n)
+#else
 #define SCORE_TILE(n) NAME(score_tile)(qj, row_stride, keys + k * d_pad, d_pad, d, c->scale, sj, n)
+#endif
                         case 1: SCORE_TILE(1); break;
 #if ROW_VECTORS > 1
                         case 2: SCORE_TILE(2); break;
@@ -336,13 +495,18 @@ TARGET static void NAME(extend_attention)(const ExtendContext *c, const void *k_
                     for (int64_t r = 0; r < vectors * WIDTH; r++)
                         for (int64_t e = 0; e < d_pad; e += WIDTH)
                             NAME(store)(o + r * d_pad + e, NAME(load)(o + r * d_pad + e) * rescale[r]);
+#ifdef BF16_DOT
+                NAME(pair_probabilities)(scores, padded, vectors, row_stride, p2);
+#endif
                 for (int64_t r = 0; r < vectors * WIDTH; r += ROW_TILE)
                     for (int64_t j = 0; j < value_vectors; j += VALUE_VECTORS) {
-                        const float *pr = scores + r;
                         float *out_rj = o + r * d_pad + j * WIDTH;
-                        const float *vj = values + j * WIDTH;
                         switch (value_vectors - j < VALUE_VECTORS ? value_vectors - j : VALUE_VECTORS) {
-#define VALUE_TILE(n) NAME(value_tile)(pr, row_stride, vj, d_pad, len, out_rj, n)
+#ifdef BF16_DOT
+#define VALUE_TILE(n) NAME(value_tile_bf16)(p2 + r, row_stride, value_pairs + j * WIDTH, d_pad, padded / 2, out_rj, n)
+#else
+#define VALUE_TILE(n) NAME(value_tile)(scores + r, row_stride, values + j * WIDTH, d_pad, len, out_rj, n)
+#endif
                         case 1: VALUE_TILE(1); break;
 #if VALUE_VECTORS > 1
                         case 2: VALUE_TILE(2); break;
@@ -378,5 +542,6 @@ TARGET static void NAME(extend_attention)(const ExtendContext *c, const void *k_
 #undef ROW_VECTORS
 #undef ROW_TILE
 #undef VALUE_VECTORS
+#undef BF16_DOT
 
 #endif /* EXTEND_BODY */

@@ -44,7 +44,9 @@ def kernels() -> ctypes.CDLL:
 
 # The caches extend_attention.c reads, and its bodies with the CPU flags each needs (fastest first).
 EXTEND_FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-EXTEND_ISAS = {"avx512": ("avx512f", "avx512bw", "avx512vl", "avx2", "fma", "f16c"), "avx2": ("avx2", "fma", "f16c")}
+EXTEND_ISAS = {"avx512_bf16": ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx2", "fma", "f16c"),
+               "avx512": ("avx512f", "avx512bw", "avx512vl", "avx2", "fma", "f16c"), "avx2": ("avx2", "fma", "f16c")}
+EXTEND_ISA_CODES = {"avx512_bf16": 2, "avx512": 1, "avx2": 0}   # as srv_extend_attention_layer numbers them
 
 
 @functools.cache
@@ -61,7 +63,7 @@ def extend_kernels() -> ctypes.CDLL:
 def extend_isa() -> int:
     """The extend kernel's body for this CPU, as the kernel numbers them; $SRV_EXTEND_ATTENTION_ISA
     picks a slower one, to test it."""
-    return {"avx512": 1, "avx2": 0}[pick_isa(EXTEND_ISAS, "SRV_EXTEND_ATTENTION_ISA")]
+    return EXTEND_ISA_CODES[pick_isa(EXTEND_ISAS, "SRV_EXTEND_ATTENTION_ISA")]
 
 
 class DecodeContext(ctypes.Structure):
@@ -183,8 +185,12 @@ class PaddedSDPAAttention(AttentionBackend):
         if isinstance(step, ExtendStep):
             query = token_rows(q)
             out = torch.empty(q.shape[0], self.num_heads, self.head_dim)
+            # The bf16 products take bf16 queries and keys; others would be rounded to bf16 first.
+            isa = extend_isa()
+            if isa == EXTEND_ISA_CODES["avx512_bf16"] and (q.dtype, batch.kv_cache.dtype) != (torch.bfloat16,) * 2:
+                isa = EXTEND_ISA_CODES["avx512"]
             extend_kernels().srv_extend_attention_layer(ctypes.byref(step.context), layer_id, query.data_ptr(),
-                                                        query.stride(0), out.data_ptr(), extend_isa())
+                                                        query.stride(0), out.data_ptr(), isa)
             return out if q.dtype == torch.float32 else out.to(q.dtype)
         mask, valid_query, max_extend = step
         # [B, KVH, K, D], contiguous per (request, head)
