@@ -22,9 +22,12 @@
  * The softmax runs down the columns of the chunk's scores, rows in the lanes, too.
  *
  * Instruction sets, picked per call (`isa`) by the Python side from the CPU's flags: 0 AVX2 with
- * FMA and F16C, 1 AVX-512. One body (the end of this file, which includes itself once per set) on
- * GCC's vector extension, each time with the set's register width and tiles that fit its
- * registers; multiply-adds are fused (-ffp-contract=fast).
+ * FMA and F16C, 1 AVX-512, 2 AVX-512 with AVX512_BF16 for bf16 queries over a bf16 cache. One
+ * body (the end of this file, which includes itself once per set) on GCC's vector extension, each
+ * time with the set's register width and tiles that fit its registers; multiply-adds are fused
+ * (-ffp-contract=fast). The bf16 body (BF16_DOT) keeps the softmax and swaps the products for
+ * VDPBF16PS on pairs of bf16 values: the keys copied rather than widened, the values and the
+ * probabilities interleaved in pairs of keys.
  */
 
 #include <immintrin.h>

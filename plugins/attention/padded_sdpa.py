@@ -2,8 +2,8 @@
 
 Prefill (prompts, prefill chunks, draft tokens to verify): the C kernel of extend_attention.c
 reads each request's keys and values in place through its slot table, a KV head's keys once for
-all the query heads that share it, and computes in float32 whatever the cache's dtype; one call a
-layer for the whole ragged batch. A float8 cache's prefill runs as one padded
+all the query heads that share it, in float32 products whatever the cache's dtype, or bf16 ones
+(AVX512_BF16) for bf16 queries over a bf16 cache; one call a layer for the whole ragged batch. A float8 cache's prefill runs as one padded
 scaled-dot-product attention: queries padded to the longest extend, keys to the longest
 sequence, one boolean mask for causality and the padding.
 
