@@ -37,7 +37,7 @@ from benchmarks.lora import LORA_RANK
 from srv.engine.default_model import default_model_path
 from srv.plugins.lora.cpu_backend import ISA_FLAGS, CPULoRABackend
 from srv.plugins.lora.torch_backend import TorchLoRABackend
-from srv.plugins.attention.padded_sdpa import KV_FORMATS, decode_context, kernels as attention_kernels
+from srv.plugins.attention.cpu_attention import KV_FORMATS, decode_context, kernels as attention_kernels
 from srv.plugins.models.loaders import GGUFLoader
 from srv.sdk.packed_linear import PackedLinear, can_pack, kernels as dense_kernels
 from srv.plugins.quantization import gguf

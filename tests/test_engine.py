@@ -12,7 +12,7 @@ from torch.nn import functional as F
 
 import srv
 from srv.engine.default_model import default_model_path
-from srv.plugins.attention import padded_sdpa
+from srv.plugins.attention import cpu_attention
 from srv.plugin_manager import load_plugins
 from srv.plugins.quantization.gguf import GGUFLinear
 from srv.sdk.layers import Float32Head
@@ -110,14 +110,14 @@ def test_default_model_requests_sharing_a_cached_prompt_decode_together(default_
     """Requests whose prompts begin with the same cached 100-odd tokens decode in one batch, and
     their attention reads the shared keys and values once a group: still HF's tokens."""
     shares = []
-    grouped = padded_sdpa.decode_context
+    grouped = cpu_attention.decode_context
 
     def recording(*args, **kwargs):
         context, groups = grouped(*args, **kwargs)
         shares.extend(int(shared) for shared in groups[:context.group_count, 2])
         return context, groups
 
-    monkeypatch.setattr(padded_sdpa, "decode_context", recording)
+    monkeypatch.setattr(cpu_attention, "decode_context", recording)
     default_engine.flush_cache()
     shared = " ".join(PROMPTS)
     default_engine.generate(shared, {"max_new_tokens": 1, "temperature": 0})

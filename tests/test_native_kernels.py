@@ -15,8 +15,8 @@ from torch import nn
 from torch.nn import functional as F
 
 import srv.plugins.models.llama as llama
-from srv.plugins.attention import padded_sdpa
-from srv.plugins.attention.padded_sdpa import EXTEND_ISAS, PaddedSDPAAttention
+from srv.plugins.attention import cpu_attention
+from srv.plugins.attention.cpu_attention import EXTEND_ISAS, CPUAttention
 from srv.plugins.attention.torch_native import TorchNativeAttention
 from srv.sdk.attention import ForwardBatch
 from srv.sdk import packed_linear
@@ -332,7 +332,7 @@ def test_row_major_weights_are_kept_only_where_memory_allows(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
 def test_decode_attention_rounds_float32_keys_into_the_cache_as_torch_does(dtype):
     case = make_case(BATCHES["decode"])
-    backend = PaddedSDPAAttention(case.num_heads, case.num_kv_heads, case.head_dim, case.head_dim ** -0.5)
+    backend = CPUAttention(case.num_heads, case.num_kv_heads, case.head_dim, case.head_dim ** -0.5)
     batch = case.batch(backend, dtype)
     backend.prepare(batch)
     q, k, v = (torch.randn(t.shape) * 300 for t in case.qkv[0])
@@ -364,11 +364,11 @@ def test_decode_attention_over_a_shared_prefix_gives_each_request_its_output_alo
     used = set(case.kv_slots.flatten().tolist())
     unused = [s for s in range(16, case.k_buffers[0].shape[0]) if s not in used]
     case.kv_slots[3, :128] = torch.tensor(unused[:128])   # request 3 shares nothing: the groups break there
-    backend = PaddedSDPAAttention(case.num_heads, case.num_kv_heads, case.head_dim, case.head_dim ** -0.5)
+    backend = CPUAttention(case.num_heads, case.num_kv_heads, case.head_dim, case.head_dim ** -0.5)
     batch = case.batch(backend, dtype)
     backend.prepare(batch)
-    context = batch.metadata["padded_sdpa"].context
-    groups = batch.metadata["padded_sdpa"].tensors[-1][:context.group_count].tolist()
+    context = batch.metadata["cpu_attention"].context
+    groups = batch.metadata["cpu_attention"].tensors[-1][:context.group_count].tolist()
     assert [3, 1, 0] in groups and any(count > 1 and shared == 128 for _, count, shared in groups), groups
     together = [backend.forward(q, k, v, layer, batch) for layer, (q, k, v) in enumerate(case.qkv)]
     for i in range(len(case.prefix_lens)):
@@ -390,12 +390,12 @@ def test_prefill_attention_kernel_matches_the_reference_in_each_instruction_set(
     prefix hits and a batch of both whose requests span several of the kernel's chunks and item
     blocks, on head sizes that do not fill a vector."""
     monkeypatch.setenv("SRV_EXTEND_ATTENTION_ISA", isa)
-    monkeypatch.setattr(padded_sdpa, "extend_isa", functools.cache(padded_sdpa.extend_isa.__wrapped__))
+    monkeypatch.setattr(cpu_attention, "extend_isa", functools.cache(cpu_attention.extend_isa.__wrapped__))
     case = make_case(BatchShape([0, 300, 3, 130], [200, 45, 1, 37]), num_heads=num_heads, num_kv_heads=num_kv_heads,
                      head_dim=head_dim, dtype=dtype)
     expected, _ = run(TorchNativeAttention(num_heads, num_kv_heads, head_dim, head_dim ** -0.5), case, torch.float32)
-    actual, batch = run(PaddedSDPAAttention(num_heads, num_kv_heads, head_dim, head_dim ** -0.5), case, dtype)
-    assert isinstance(batch.metadata["padded_sdpa"], padded_sdpa.ExtendStep)
+    actual, batch = run(CPUAttention(num_heads, num_kv_heads, head_dim, head_dim ** -0.5), case, dtype)
+    assert isinstance(batch.metadata["cpu_attention"], cpu_attention.ExtendStep)
     tolerance = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}[dtype]
     for layer, (out, ref) in enumerate(zip(actual, expected)):
         assert out.dtype == dtype

@@ -17,7 +17,7 @@ from torch.nn import functional as F
 
 import srv.sdk.testing
 from srv.plugin_manager import load_plugins
-from srv.plugins.attention.padded_sdpa import PaddedSDPAAttention
+from srv.plugins.attention.cpu_attention import CPUAttention
 from srv.plugins.sampling.pytorch_sampler import PyTorchSampler
 from srv.sdk.attention import AttentionBackend
 from srv.sdk.cache import EvictionPolicy, HiCacheStorage, HiCacheStorageConfig
@@ -300,14 +300,14 @@ class ForgetfulAttention(LoopAttention):
         return out
 
 
-class StaleMetadataAttention(PaddedSDPAAttention):
+class StaleMetadataAttention(CPUAttention):
     """Builds its metadata for the first batch only."""
 
     def prepare(self, batch):
         if not hasattr(self, "_first"):
             super().prepare(batch)
-            self._first = batch.metadata["padded_sdpa"]
-        batch.metadata["padded_sdpa"] = self._first
+            self._first = batch.metadata["cpu_attention"]
+        batch.metadata["cpu_attention"] = self._first
 
 
 def test_attention_kit_passes_a_correct_loop_and_fails_broken_ones():

@@ -14,7 +14,10 @@ runs in the OpenMP runtime torch has loaded, on torch's threads, with torch's th
 srv.sdk's C headers are on the include path. `#include "srv_amx.h"` gives a kernel AMX's tiles:
 whether the CPU has them and the OS lends them (`srv_amx_usable`), their configuration
 (`srv_amx_configure`), a 16 x 16 transpose of 32-bit values, and activation rows laid out as the
-tiles' second operand (`srv_amx_pack_rows`).
+tiles' second operand (`srv_amx_pack_rows`). `#include "srv_kv_formats.h"` gives the KV cache's
+formats as kernels number them (`KVCache.dtype`: float32, bf16, float16, float8 e4m3fn and e5m2)
+and float8's codes: each code's value, a row widened with its layer's scale, and a value rounded
+to the nearest code as torch rounds it.
 """
 
 from __future__ import annotations

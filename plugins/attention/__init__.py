@@ -9,7 +9,7 @@ SRV_SDK_VERSION = ">=0.1,<0.2"
 def srv_register_attention_backends(register):
     register("torch_native", "srv.plugins.attention.torch_native:TorchNativeAttention",
              description="reference: one SDPA per request over its gathered KV cache")
-    register("intel_amx", "srv.plugins.attention.padded_sdpa:PaddedSDPAAttention",
+    register("intel_amx", "srv.plugins.attention.cpu_attention:CPUAttention",
              description="batched CPU backend: prefill as one padded SDPA (bf16 on AMX via oneDNN), decode "
                          "in a C kernel reading the KV cache in place",
              available=all_of(requires_cpu_flags("avx2", "fma", "f16c"), requires_c_compiler), priority=10)

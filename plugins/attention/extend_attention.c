@@ -3,8 +3,8 @@
  * through each request's slot table, with no padded copy of the batch.
  *
  * q [T][H][D] float32, tokens q_stride floats apart, each request's new tokens after the
- * previous request's; k_cache, v_cache [slots][KVH][D] float32, bf16 or float16 (kv_format, as
- * decode_attention.c numbers them); kv_slots [B][stride] int64, whose first prefix + extend
+ * previous request's; k_cache, v_cache [slots][KVH][D] in any of srv_kv_formats.h's formats (a
+ * float8 cache's values times the layer's scale); kv_slots [B][stride] int64, whose first prefix + extend
  * entries of row b are request b's tokens (the new ones already stored); out [T][H][D] float32.
  *
  * An item is one request, one KV head and a block of its new tokens: its rows are the block's
@@ -37,9 +37,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#ifndef EXTEND_BODY
+#include "srv_kv_formats.h"
 
-enum { KV_FLOAT32 = 0, KV_BFLOAT16 = 1, KV_FLOAT16 = 2 };
+#ifndef EXTEND_BODY
 
 /* Keys a chunk: its scores ([CHUNK][rows]) and widened keys and values stay in L2. */
 #define CHUNK 128
@@ -53,6 +53,7 @@ typedef struct {
     const void *const *k_caches;     /* every layer's */
     const void *const *v_caches;
     int64_t kv_format;
+    const float *k_scales, *v_scales; /* one a layer, for float8 caches (else NULL) */
     const int64_t *kv_slots;         /* [batch][kv_slots_stride] */
     int64_t kv_slots_stride;
     const int64_t *prefix_lens;      /* [batch] */
@@ -130,12 +131,9 @@ void srv_extend_attention_layer(const ExtendContext *c, int64_t layer, const flo
         }
         q_row += c->extend_lens[b];
     }
-    if (isa == 2) extend_attention_avx512bf16(c, c->k_caches[layer], c->v_caches[layer], blocks, count, tokens_a_block,
-                                              q, q_stride, out);
-    else if (isa == 1) extend_attention_avx512(c, c->k_caches[layer], c->v_caches[layer], blocks, count, tokens_a_block,
-                                               q, q_stride, out);
-    else extend_attention_avx2(c, c->k_caches[layer], c->v_caches[layer], blocks, count, tokens_a_block, q, q_stride,
-                               out);
+    if (isa == 2) extend_attention_avx512bf16(c, layer, blocks, count, tokens_a_block, q, q_stride, out);
+    else if (isa == 1) extend_attention_avx512(c, layer, blocks, count, tokens_a_block, q, q_stride, out);
+    else extend_attention_avx2(c, layer, blocks, count, tokens_a_block, q, q_stride, out);
     free(blocks);
 }
 
@@ -182,9 +180,9 @@ TARGET INLINE vf NAME(exp_nonpositive)(vf x) {
 #ifndef BF16_DOT
 /* Rows [0, n) of one KV head's keys or values at `slots` as float32 rows `stride` floats apart,
  * the columns from d to stride zero. */
-TARGET static void NAME(widen_rows)(const void *cache, int64_t format, const int64_t *slots, int64_t n, int64_t head,
-                                    int64_t kv_heads, int64_t d, float *rows, int64_t stride) {
-    const int64_t row_bytes = d * (format == KV_FLOAT32 ? 4 : 2);
+TARGET static void NAME(widen_rows)(const void *cache, int64_t format, float scale, const int64_t *slots, int64_t n,
+                                    int64_t head, int64_t kv_heads, int64_t d, float *rows, int64_t stride) {
+    const int64_t row_bytes = d * element_size(format);
     for (int64_t t = 0; t < n; t++) {
         const int64_t offset = (slots[t] * kv_heads + head) * d;
         if (t + WIDEN_AHEAD < n) {
@@ -207,6 +205,9 @@ TARGET static void NAME(widen_rows)(const void *cache, int64_t format, const int
                 const uint32_t bits = (uint32_t)src[i] << 16;
                 memcpy(row + i, &bits, sizeof(float));
             }
+        } else if (is_float8(format)) {
+            widen_float8_row((const uint8_t *)cache + offset, format, d, scale, row);
+            i = d;
         } else {
             const _Float16 *src = (const _Float16 *)cache + offset;
             for (; i + WIDTH <= d; i += WIDTH) {
@@ -374,9 +375,10 @@ TARGET INLINE void NAME(value_tile_bf16)(const uint32_t *p2, int64_t row_stride,
 }
 #endif
 
-TARGET static void NAME(extend_attention)(const ExtendContext *c, const void *k_cache, const void *v_cache,
-                                          const Block *blocks, int64_t count, int64_t tokens_a_block,
-                                          const float *q, int64_t q_stride, float *out) {
+TARGET static void NAME(extend_attention)(const ExtendContext *c, int64_t layer, const Block *blocks, int64_t count,
+                                          int64_t tokens_a_block, const float *q, int64_t q_stride, float *out) {
+    const void *k_cache = c->k_caches[layer], *v_cache = c->v_caches[layer];
+    const float k_scale = c->k_scales ? c->k_scales[layer] : 1.0f, v_scale = c->v_scales ? c->v_scales[layer] : 1.0f;
     const int64_t d = c->d, group = c->heads / c->kv_heads, kv_heads = c->kv_heads;
     const int64_t d_pad = round_up(d, WIDTH), row_stride = round_up(tokens_a_block * group, WIDTH);
     const int64_t value_vectors = d_pad / WIDTH;
@@ -433,8 +435,8 @@ TARGET static void NAME(extend_attention)(const ExtendContext *c, const void *k_
                 NAME(copy_keys)(k_cache, slots + k0, len, padded, head, kv_heads, d, key_rows, d_even);
                 NAME(pair_values)(v_cache, slots + k0, len, padded, head, kv_heads, d, d_pad, value_pairs);
 #else
-                NAME(widen_rows)(k_cache, c->kv_format, slots + k0, len, head, kv_heads, d, keys, d_pad);
-                NAME(widen_rows)(v_cache, c->kv_format, slots + k0, len, head, kv_heads, d, values, d_pad);
+                NAME(widen_rows)(k_cache, c->kv_format, k_scale, slots + k0, len, head, kv_heads, d, keys, d_pad);
+                NAME(widen_rows)(v_cache, c->kv_format, v_scale, slots + k0, len, head, kv_heads, d, values, d_pad);
                 for (int64_t k = len; k < padded; k++) memset(keys + k * d_pad, 0, d_pad * sizeof(float));
 #endif
                 for (int64_t k = 0; k < padded; k += KEY_TILE)

@@ -1,11 +1,11 @@
-"""A batched CPU backend (`intel_amx`, SGLang's name for its CPU backend).
+"""srv's CPU attention (`intel_amx`, SGLang's name for its CPU backend): C kernels that read the
+KV cache in place, through each request's slot table, in any of srv's cache formats.
 
-Prefill (prompts, prefill chunks, draft tokens to verify): the C kernel of extend_attention.c
-reads each request's keys and values in place through its slot table, a KV head's keys once for
-all the query heads that share it, in float32 products whatever the cache's dtype, or bf16 ones
-(AVX512_BF16) for bf16 queries over a bf16 cache; one call a layer for the whole ragged batch. A float8 cache's prefill runs as one padded
-scaled-dot-product attention: queries padded to the longest extend, keys to the longest
-sequence, one boolean mask for causality and the padding.
+Prefill (prompts, prefill chunks, draft tokens to verify): the kernel of extend_attention.c,
+one call a layer for the whole ragged batch, a KV head's keys read once for all the query heads
+that share it; float32 products, or bf16 ones (AVX512_BF16) for bf16 queries over a bf16 cache.
+It replaced one padded scaled-dot-product attention over keys and values gathered from the
+cache, which also computed every masked score of a prompt's causal half.
 
 Decode (one new token a request): the C kernel of decode_attention.c stores the step's keys and
 values, then reads each request's keys and values in place through its slot table, one call a
@@ -23,11 +23,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch.nn import functional as F
 
 from srv.sdk.attention import AttentionBackend, ForwardBatch, KVCache
 from srv.sdk.native import NativeKernel, load_c_library, pick_isa
 
+# The cache formats as srv_kv_formats.h numbers them.
 KV_FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
 
 
@@ -42,8 +42,7 @@ def kernels() -> ctypes.CDLL:
     return library
 
 
-# The caches extend_attention.c reads, and its bodies with the CPU flags each needs (fastest first).
-EXTEND_FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# extend_attention.c's bodies, with the CPU flags each needs (fastest first).
 EXTEND_ISAS = {"avx512_bf16": ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx2", "fma", "f16c"),
                "avx512": ("avx512f", "avx512bw", "avx512vl", "avx2", "fma", "f16c"), "avx2": ("avx2", "fma", "f16c")}
 EXTEND_ISA_CODES = {"avx512_bf16": 2, "avx512": 1, "avx2": 0}   # as srv_extend_attention_layer numbers them
@@ -96,6 +95,7 @@ def decode_context(k_caches: ctypes.Array, v_caches: ctypes.Array, kv_format: in
 class ExtendContext(ctypes.Structure):
     """What srv_extend_attention_layer reads: the caches of every layer and the batch's requests."""
     _fields_ = [("k_caches", ctypes.c_void_p), ("v_caches", ctypes.c_void_p), ("kv_format", ctypes.c_int64),
+                ("k_scales", ctypes.c_void_p), ("v_scales", ctypes.c_void_p),
                 ("kv_slots", ctypes.c_void_p), ("kv_slots_stride", ctypes.c_int64),
                 ("prefix_lens", ctypes.c_void_p), ("extend_lens", ctypes.c_void_p),
                 ("batch", ctypes.c_int64), ("heads", ctypes.c_int64), ("kv_heads", ctypes.c_int64),
@@ -117,7 +117,7 @@ class DecodeStep:
     tensors: tuple[torch.Tensor, ...]
 
 
-class PaddedSDPAAttention(AttentionBackend):
+class CPUAttention(AttentionBackend):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, scale)
         kernels(), extend_kernels()   # a compiler error now, at launch, rather than at the first step
@@ -127,19 +127,17 @@ class PaddedSDPAAttention(AttentionBackend):
         self.kv_scales: torch.Tensor | None = None
 
     def prepare(self, batch: ForwardBatch) -> None:
-        if batch.is_decode:
-            batch.metadata["padded_sdpa"] = self._decode_step(batch)
-        elif batch.kv_cache.dtype in EXTEND_FORMATS:
-            batch.metadata["padded_sdpa"] = self._extend_step(batch)
-        else:
-            batch.metadata["padded_sdpa"] = padded_mask(batch)
+        batch.metadata["cpu_attention"] = self._decode_step(batch) if batch.is_decode else self._extend_step(batch)
 
     def _extend_step(self, batch: ForwardBatch) -> ExtendStep:
-        k_caches, v_caches = self._cache_addresses(batch.kv_cache)
+        cache = batch.kv_cache
+        k_caches, v_caches = self._cache_addresses(cache)
         slots = batch.kv_slots.to(torch.int64).contiguous()
         lens = torch.tensor([batch.prefix_lens, batch.extend_lens], dtype=torch.int64)
-        context = ExtendContext(ctypes.addressof(k_caches), ctypes.addressof(v_caches),
-                                EXTEND_FORMATS[batch.kv_cache.dtype], slots.data_ptr(), slots.stride(0),
+        scales = self.kv_scales   # set by _cache_addresses, kept as long as the cache
+        context = ExtendContext(ctypes.addressof(k_caches), ctypes.addressof(v_caches), KV_FORMATS[cache.dtype],
+                                None if scales is None else scales[0].data_ptr(),
+                                None if scales is None else scales[1].data_ptr(), slots.data_ptr(), slots.stride(0),
                                 lens[0].data_ptr(), lens[1].data_ptr(), batch.batch_size, self.num_heads,
                                 self.num_kv_heads, self.head_dim, self.scale)
         return ExtendStep(context, (slots, lens))
@@ -176,31 +174,21 @@ class PaddedSDPAAttention(AttentionBackend):
         return self._decode(q, layer_id, batch, (token_rows(k), token_rows(v)))
 
     def native_decode(self, batch: ForwardBatch) -> NativeKernel | None:
-        return batch.metadata["padded_sdpa"].kernel if batch.is_decode else None
+        return batch.metadata["cpu_attention"].kernel if batch.is_decode else None
 
     def attend(self, q: torch.Tensor, layer_id: int, batch: ForwardBatch) -> torch.Tensor:
         if batch.is_decode:
             return self._decode(q, layer_id, batch)
-        step = batch.metadata["padded_sdpa"]
-        if isinstance(step, ExtendStep):
-            query = token_rows(q)
-            out = torch.empty(q.shape[0], self.num_heads, self.head_dim)
-            # The bf16 products take bf16 queries and keys; others would be rounded to bf16 first.
-            isa = extend_isa()
-            if isa == EXTEND_ISA_CODES["avx512_bf16"] and (q.dtype, batch.kv_cache.dtype) != (torch.bfloat16,) * 2:
-                isa = EXTEND_ISA_CODES["avx512"]
-            extend_kernels().srv_extend_attention_layer(ctypes.byref(step.context), layer_id, query.data_ptr(),
-                                                        query.stride(0), out.data_ptr(), isa)
-            return out if q.dtype == torch.float32 else out.to(q.dtype)
-        mask, valid_query, max_extend = step
-        # [B, KVH, K, D], contiguous per (request, head)
-        k = batch.kv_cache.keys(layer_id, batch.kv_slots, q.dtype).transpose(1, 2).contiguous()
-        v = batch.kv_cache.values(layer_id, batch.kv_slots, q.dtype).transpose(1, 2).contiguous()
-        qp = q.new_zeros(batch.batch_size, max_extend, self.num_heads, self.head_dim)
-        qp[valid_query] = q
-        out = F.scaled_dot_product_attention(qp.transpose(1, 2), k, v, attn_mask=mask, scale=self.scale,
-                                             enable_gqa=self.num_heads != self.num_kv_heads)
-        return out.transpose(1, 2)[valid_query]
+        step = batch.metadata["cpu_attention"]
+        query = token_rows(q)
+        out = torch.empty(q.shape[0], self.num_heads, self.head_dim)
+        # The bf16 products take bf16 queries and keys; others would be rounded to bf16 first.
+        isa = extend_isa()
+        if isa == EXTEND_ISA_CODES["avx512_bf16"] and (q.dtype, batch.kv_cache.dtype) != (torch.bfloat16,) * 2:
+            isa = EXTEND_ISA_CODES["avx512"]
+        extend_kernels().srv_extend_attention_layer(ctypes.byref(step.context), layer_id, query.data_ptr(),
+                                                    query.stride(0), out.data_ptr(), isa)
+        return out if q.dtype == torch.float32 else out.to(q.dtype)
 
     def _decode(self, q: torch.Tensor, layer_id: int, batch: ForwardBatch,
                 new_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -210,7 +198,7 @@ class PaddedSDPAAttention(AttentionBackend):
         if k_new is not None and k_new.stride(0) != v_new.stride(0):
             k_new, v_new = k_new.contiguous(), v_new.contiguous()
         out = torch.empty(q.shape[0], self.num_heads, self.head_dim)
-        kernels().srv_decode_attention_layer(batch.metadata["padded_sdpa"].kernel.context, layer_id,
+        kernels().srv_decode_attention_layer(batch.metadata["cpu_attention"].kernel.context, layer_id,
                                              query.data_ptr(), query.stride(0),
                                              None if k_new is None else k_new.data_ptr(),
                                              None if v_new is None else v_new.data_ptr(),
@@ -225,18 +213,3 @@ def token_rows(x: torch.Tensor) -> torch.Tensor:
         return x
     return x.float().contiguous()
 
-
-def padded_mask(batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """A prefill batch as one padded SDPA reads it: the mask [B, 1, Q, K] that carries causality
-    and the padding, which query rows are real [B, Q], and the longest extend Q."""
-    extend = torch.tensor(batch.extend_lens)
-    prefix = torch.tensor(batch.prefix_lens)
-    max_extend, max_seq = int(extend.max()), batch.kv_slots.shape[1]
-    j = torch.arange(max_extend)
-    valid_query = j[None, :] < extend[:, None]                                   # [B, Q]
-    query_pos = prefix[:, None] + j[None, :]                                     # [B, Q]
-    key_pos = torch.arange(max_seq)
-    mask = key_pos[None, None, :] <= query_pos[:, :, None]                       # [B, Q, K]
-    # Padding query rows attend to key 0 so softmax stays finite; their output is dropped.
-    mask |= (~valid_query[:, :, None]) & (key_pos[None, None, :] == 0)
-    return mask[:, None], valid_query, max_extend
