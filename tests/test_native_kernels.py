@@ -399,4 +399,5 @@ def test_prefill_attention_kernel_matches_the_reference_in_each_instruction_set(
     tolerance = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}[dtype]
     for layer, (out, ref) in enumerate(zip(actual, expected)):
         assert out.dtype == dtype
-        torch.testing.assert_close(out.float(), ref, atol=tolerance, rtol=tolerance, msg=lambda m: f"layer {layer}: {m}")
+        torch.testing.assert_close(out.float(), ref, atol=tolerance, rtol=tolerance,
+                                   msg=lambda m: f"layer {layer}: {m}")

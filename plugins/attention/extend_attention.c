@@ -86,6 +86,20 @@ static float *thread_scratch(int64_t floats) {
 
 #define INLINE static inline __attribute__((always_inline))
 
+/* 16-bit lanes that interleave two runs, element i of the first then of the second (VPERMT2W's
+ * and VPERMW's indices; a second operand's lanes number from 32): the bf16 body pairs two keys'
+ * values (from the first 16 of each row's 32 lanes, then the last 16) and two keys'
+ * probabilities (the two halves of one vector). */
+static const uint16_t interleave_low[32] = {
+    0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+    8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+static const uint16_t interleave_high[32] = {
+    16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+    24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+static const uint16_t interleave_halves[32] = {
+    0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+    8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+
 #define EXTEND_BODY
 #define NAME(name) name##_avx512
 #define TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
@@ -150,7 +164,8 @@ typedef _Float16 NAME(vhf) __attribute__((vector_size(2 * WIDTH)));
 #define vh NAME(vh)
 #define vhf NAME(vhf)
 
-_Static_assert(CHUNK % KEY_TILE == 0 && WIDTH % ROW_TILE == 0, "a chunk holds whole key tiles, a vector whole row tiles");
+_Static_assert(CHUNK % KEY_TILE == 0 && WIDTH % ROW_TILE == 0,
+               "a chunk holds whole key tiles, a vector whole row tiles");
 
 TARGET INLINE vf NAME(load)(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
 TARGET INLINE void NAME(store)(float *p, vf v) { memcpy(p, &v, sizeof v); }
@@ -289,14 +304,7 @@ TARGET static void NAME(copy_keys)(const uint16_t *cache, const int64_t *slots, 
  * i < padded / 2 and e < d_pad, zero past d and past key n. */
 TARGET static void NAME(pair_values)(const uint16_t *cache, const int64_t *slots, int64_t n, int64_t padded,
                                      int64_t head, int64_t kv_heads, int64_t d, int64_t d_pad, uint32_t *pairs) {
-    __m512i low = _mm512_setzero_si512(), high = _mm512_setzero_si512();
-    uint16_t low_index[32], high_index[32];
-    for (int i = 0; i < 32; i++) {
-        low_index[i] = (uint16_t)((i % 2 ? 32 : 0) + i / 2);
-        high_index[i] = (uint16_t)((i % 2 ? 32 : 0) + 16 + i / 2);
-    }
-    low = _mm512_loadu_si512(low_index);
-    high = _mm512_loadu_si512(high_index);
+    const __m512i low = _mm512_loadu_si512(interleave_low), high = _mm512_loadu_si512(interleave_high);
     for (int64_t i = 0; i < padded / 2; i++) {
         const int64_t t = 2 * i;
         if (t + WIDEN_AHEAD + 1 < n)
@@ -320,9 +328,7 @@ TARGET static void NAME(pair_values)(const uint16_t *cache, const int64_t *slots
 /* p2[i][rows] = the probabilities of keys 2i and 2i + 1 in bf16 pairs, for i < padded / 2. */
 TARGET static void NAME(pair_probabilities)(const float *p, int64_t padded, int64_t vectors, int64_t row_stride,
                                             uint32_t *p2) {
-    uint16_t order[32];
-    for (int i = 0; i < 32; i++) order[i] = (uint16_t)((i % 2 ? 16 : 0) + i / 2);
-    const __m512i interleave = _mm512_loadu_si512(order);
+    const __m512i interleave = _mm512_loadu_si512(interleave_halves);
     for (int64_t i = 0; i < padded / 2; i++)
         for (int64_t j = 0; j < vectors; j++) {
             const __m512 even = _mm512_loadu_ps(p + 2 * i * row_stride + j * WIDTH);
@@ -378,7 +384,9 @@ TARGET INLINE void NAME(value_tile_bf16)(const uint32_t *p2, int64_t row_stride,
 TARGET static void NAME(extend_attention)(const ExtendContext *c, int64_t layer, const Block *blocks, int64_t count,
                                           int64_t tokens_a_block, const float *q, int64_t q_stride, float *out) {
     const void *k_cache = c->k_caches[layer], *v_cache = c->v_caches[layer];
+#ifndef BF16_DOT   /* the bf16 body reads bf16 caches only */
     const float k_scale = c->k_scales ? c->k_scales[layer] : 1.0f, v_scale = c->v_scales ? c->v_scales[layer] : 1.0f;
+#endif
     const int64_t d = c->d, group = c->heads / c->kv_heads, kv_heads = c->kv_heads;
     const int64_t d_pad = round_up(d, WIDTH), row_stride = round_up(tokens_a_block * group, WIDTH);
     const int64_t value_vectors = d_pad / WIDTH;
@@ -445,8 +453,8 @@ TARGET static void NAME(extend_attention)(const ExtendContext *c, int64_t layer,
                         float *sj = scores + k * row_stride + j * WIDTH;
                         switch (vectors - j < ROW_VECTORS ? vectors - j : ROW_VECTORS) {
 #ifdef BF16_DOT
-#define SCORE_TILE(n) NAME(score_tile_bf16)((const uint32_t *)qj, row_stride, key_rows + k * d_even, d_even, d_even / 2, \
-                                       c->scale, sj, n)
+#define SCORE_TILE(n) NAME(score_tile_bf16)((const uint32_t *)qj, row_stride, key_rows + k * d_even, d_even, \
+                                            d_even / 2, c->scale, sj, n)
 #else
 #define SCORE_TILE(n) NAME(score_tile)(qj, row_stride, keys + k * d_pad, d_pad, d, c->scale, sj, n)
 #endif
