@@ -586,6 +586,7 @@ def test_kits_fail_broken_plugins_under_pytest(pytester):
         "TestDropsLast::test_order_is_a_permutation[7-prefix-info]",
         "TestDropsLast::test_repeated_calls_and_identical_requests",
         "TestNeverDrafts::test_greedy_output_is_the_targets",
+        "TestNeverDrafts::test_greedy_output_is_the_targets_at_tensor_parallel_size_2",
         "TestNoRotaryModels::test_batched_greedy_matches_transformers",
         "TestNoRotaryModels::test_hidden_states_match_transformers",
         "TestNoRotaryModels::test_prefix_cache_hits_match_transformers",
@@ -595,7 +596,7 @@ def test_kits_fail_broken_plugins_under_pytest(pytester):
     ]
     # skipped: the broken model implementation's tensor-parallel case (given as a factory); its
     # IDLE pass (no positions to lose) passes
-    result.assert_outcomes(passed=5 + 3 + 2 + 2 + 1, failed=16, skipped=1)
+    result.assert_outcomes(passed=5 + 3 + 2 + 2 + 1, failed=17, skipped=1)
     result.stdout.fnmatch_lines(["*order() lost requests with arrival_index*",
                                  "*the algorithm proposed no drafts for prompts that repeat themselves*"])
 

@@ -163,7 +163,8 @@ def test_default_model_pp2_in_bf16_gives_the_tokens_of_pp1():
 
 @pytest.mark.parametrize("flags, message", [
     (["--tp-size", "2", "--lora-paths", "a=/nowhere"], "--enable-lora with --tensor-parallel-size > 1"),
-    (["--tp-size", "2", "--speculative-algorithm", "NGRAM"], "--speculative-algorithm with --tensor-parallel-size"),
+    (["--dp-size", "2", "--tp-size", "2", "--enable-dp-attention", "--speculative-algorithm", "NGRAM"],
+     "--speculative-algorithm with --enable-dp-attention"),
     (["--tp-size", "3", "--nnodes", "2", "--dist-init-addr", "127.0.0.1:1"], "ranks do not split over --nnodes 2"),
     (["--pp-size", "2", "--enable-hierarchical-cache"], "--enable-hierarchical-cache with --pipeline-parallel-size"),
     (["--tp-size", "2", "--nnodes", "2"], "needs --dist-init-addr"),
@@ -296,3 +297,52 @@ def test_tp2_w8a8_int8_quantizes_each_ranks_rows_within_the_stated_bound():
     assert accuracy.positions == 8 * 32
     assert accuracy.top1_logprob_error <= TOP1_LOGPROB_ERROR_BOUND, accuracy
     assert accuracy.greedy_agreement >= GREEDY_AGREEMENT_BOUND, accuracy
+
+
+def test_tree_drafts_at_tp2_move_the_accepted_branch_kv_on_every_rank(srv_tiny_model_dir):
+    # The oracle's tree always wins on its second branch, whose keys and values each rank moves
+    # in its own share of the heads. (The kits check every algorithm at tp=2 on chains.)
+    from srv.sdk.testing import hf_greedy, registered_temporarily, tiny_llama
+    from srv.sdk.testing import random_prompts as tiny_prompts
+    from test_speculative import oracle_tree
+
+    prompts = tiny_prompts([5, 13])
+    greedy = {"max_new_tokens": 20, "temperature": 0, "ignore_eos": True}
+    with registered_temporarily("speculative_algorithm", "oracle-tree", oracle_tree) as name:
+        with srv.Engine(model_path=str(srv_tiny_model_dir), dtype="float32", tp_size=2, speculative_algorithm=name,
+                        speculative_num_draft_tokens=5, page_size=4) as engine:
+            results = engine.generate(input_ids=prompts, sampling_params=greedy)
+            status = engine.status()
+            assert status["spec_accepted_tokens"] - status["spec_verifies"] >= 2 * status["spec_verifies"] > 0, status
+            assert_all_kv_returned(engine)
+    for prompt, result in zip(prompts, results):
+        assert result["output_ids"] == hf_greedy(tiny_llama(), prompt, 20)
+
+
+@pytest.mark.parametrize("layout, algorithm", [((1, 2), "STANDALONE"), ((2, 2), "NGRAM")],
+                         ids=["pp2-standalone", "tp2-pp2-ngram"])
+def test_speculative_decoding_across_pipeline_stages_gives_hfs_tokens(srv_tiny_model_dir, layout, algorithm):
+    # Verify passes go through the stages as micro-batches of draft rows.
+    from srv.sdk.testing import hf_greedy, tiny_llama
+    from srv.sdk.testing.speculative import repeating_prompts
+
+    tp, pp = layout
+    prompts = repeating_prompts(seed=5)[:3]
+    greedy = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
+    draft = {"speculative_draft_model_path": str(srv_tiny_model_dir)} if algorithm == "STANDALONE" else {}
+    with srv.Engine(model_path=str(srv_tiny_model_dir), dtype="float32", tp_size=tp, pp_size=pp,
+                    speculative_algorithm=algorithm, chunked_prefill_size=16, **draft) as engine:
+        results = engine.generate(input_ids=prompts, sampling_params=greedy)
+        assert engine.scheduler.stats.spec_draft_tokens > 0
+        assert_all_kv_returned(engine)
+    for prompt, result in zip(prompts, results):
+        assert result["output_ids"] == hf_greedy(tiny_llama(), prompt, 16)
+
+
+def test_an_algorithm_reading_hidden_states_is_refused_across_pipeline_stages(srv_tiny_model_dir, tmp_path):
+    from test_speculative import write_eagle_head
+
+    head = write_eagle_head(tmp_path / "eagle", eagle3=False)
+    with pytest.raises(Exception, match="EAGLE reads the target's hidden states"):
+        srv.Engine(model_path=str(srv_tiny_model_dir), dtype="float32", pp_size=2, speculative_algorithm="EAGLE",
+                   speculative_draft_model_path=str(head))

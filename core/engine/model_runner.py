@@ -363,6 +363,33 @@ class ModelRunner:
                 capture_layers=capture_layers, token_type_ids=token_type_ids))
         return self._checked_output(self.model(batch), batch)
 
+    # ---- the target's parts that speculative decoding reads (srv.engine.speculative) ----------
+
+    def copy_kv(self, sources: torch.Tensor, targets: torch.Tensor) -> None:
+        """Every layer's keys and values at slots `sources` to `targets`, on every rank's share
+        (a tree draft's accepted nodes)."""
+        self._broadcast("copy_kv", sources=sources, targets=targets)
+        self.kv_cache.copy(sources, targets)
+
+    @torch.inference_mode()
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The embedding rows of `ids` in float32. Under tensor parallelism every rank joins: each
+        holds a range of the vocabulary."""
+        self._broadcast("embed", ids=ids)
+        with self._exit_on_collective_failure():
+            return self.model.embed_tokens(ids).float()
+
+    @torch.inference_mode()
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The vocabulary head's float32 logits of `hidden`'s rows (rank 0 gets the whole vocabulary
+        where the ranks split it)."""
+        self._broadcast("head_logits", hidden=hidden)
+        model, hidden = self.model, hidden.to(self.dtype)
+        with self._exit_on_collective_failure():
+            if self.parallel.is_parallel:
+                return self.parallel.vocab_logits(model.lm_head, hidden, model.vocab_starts)
+            return model.lm_head(hidden).float()
+
     def prepare_when_idle(self, budget_s: float) -> bool:
         """Run the one-time work the model deferred from its load (oneDNN's reorders of its dense
         layers, `PackedLinear.pack`) for up to about `budget_s`; whether any is left. Every rank

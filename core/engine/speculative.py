@@ -47,19 +47,18 @@ def make_worker(args: Namespace, runner: ModelRunner, registry: BackendRegistry,
     def load_draft_model(path: str) -> DraftModel:
         return EngineDraftModel(args, registry, path, capacity or runner.kv_capacity_tokens())
 
-    # runner.model at each call: /update_weights_from_disk replaces it.
-    def target_head(hidden: torch.Tensor) -> torch.Tensor:
-        return runner.model.lm_head(hidden.to(runner.dtype)).float()
-
-    def target_embed(ids: torch.Tensor) -> torch.Tensor:
-        return runner.model.embed_tokens(ids).float()
-
+    # runner.model at each call: /update_weights_from_disk replaces it. A rank's share of a
+    # split head has no rows of the others: the head is then read off its products.
     def target_head_rows(ids: torch.Tensor) -> torch.Tensor:
-        return head_rows(runner.model.lm_head, ids, runner.config.hidden_size, runner.dtype)
+        head = runner.head_logits if runner.parallel.is_parallel else runner.model.lm_head
+        return head_rows(head, ids, runner.config.hidden_size, runner.dtype)
 
     context = SpeculativeContext(config, runner.config.vocab_size, args, load_draft_model, runner.config,
-                                 target_embed, target_head, target_head_rows)
+                                 runner.embed, runner.head_logits, target_head_rows)
     algorithm = factory(context)
+    if algorithm.capture_layers and runner.parallel.is_pipelined:
+        raise ValueError(f"--speculative-algorithm {registration.name} reads the target's hidden states, which "
+                         "--pipeline-parallel-size > 1 does not return yet")
     if config.eagle_topk > 1 and not algorithm.supports_trees:
         raise ValueError(f"--speculative-eagle-topk {config.eagle_topk}: {registration.name} drafts chains "
                          "(--speculative-eagle-topk 1)")
@@ -176,6 +175,10 @@ class EngineDraftModel(DraftModel):
     def __init__(self, args: Namespace, registry: BackendRegistry, path: str, capacity_tokens: int) -> None:
         draft_args = copy.copy(args)
         draft_args.model_path, draft_args.quantization, draft_args.max_total_tokens = path, None, capacity_tokens
+        # The draft model runs whole in the process that schedules (the target's rank 0), where
+        # its drafts are read: its passes wait on no other rank.
+        draft_args.tensor_parallel_size = draft_args.pipeline_parallel_size = draft_args.expert_parallel_size = 1
+        draft_args.enable_dp_attention = False
         draft_args.json_model_override_args = None
         draft_args.revision = None   # --revision is the target's; the draft's path is resolved already
         # A draft model's sparse layers run on their own MoE runner and token exchange where the

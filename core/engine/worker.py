@@ -287,6 +287,7 @@ class Worker:
         sampling = SamplingBatch(params, token_ids, prompt_lens, self.eos_ids, mask)
         sample = self.runner.sampler.sample(logits, sampling)
         samples = sample.next_token_ids.tolist()
+        moves: list[tuple[list[int], list[int]]] = []   # (sources, targets) of accepted tree nodes' KV
         for result in results:
             if result.rows and not result.item.drafts:
                 result.tokens = [samples[result.rows[0]]]
@@ -296,7 +297,10 @@ class Worker:
                 result.tokens, result.nodes = accept_tree([samples[j] for j in result.rows], tree)
                 result.rows = [result.rows[0]] + [result.rows[1 + j] for j in result.nodes]
                 if item.tree is not None:
-                    self._move_accepted_kv(item, result.nodes)
+                    moves.append(self._accepted_kv_moves(item, result.nodes))
+        if any(sources for sources, _ in moves):
+            self.runner.copy_kv(torch.tensor([s for sources, _ in moves for s in sources], dtype=torch.int64),
+                                torch.tensor([t for _, targets in moves for t in targets], dtype=torch.int64))
         self._record_token_ids_logprobs(results, logits)
         return BatchResult(results, sample)
 
@@ -327,15 +331,15 @@ class Worker:
                 rows = torch.log_softmax(logits[result.rows].float(), dim=-1)[:, ids]
                 result.token_ids_logprobs = [list(map(reportable, row)) for row in rows.tolist()]
 
-    def _move_accepted_kv(self, item: ScheduledReq, nodes: list[int]) -> None:
+    def _accepted_kv_moves(self, item: ScheduledReq, nodes: list[int]) -> tuple[list[int], list[int]]:
         """A tree's accepted node j at depth d wrote its KV at slot kv_len + 1 + j of the request's
-        row; the request's sequence needs it at kv_len + d. (Each move's target lies before every
-        later move's source, so none overwrites another's.)"""
-        req, table = item.req, self.req_pool.table[item.req.row]
-        for depth, j in enumerate(nodes, 1):
-            if j != depth - 1:
-                self.runner.kv_cache.copy(table[req.kv_len + 1 + j: req.kv_len + 2 + j],
-                                          table[req.kv_len + depth: req.kv_len + depth + 1])
+        row; the request's sequence needs it at kv_len + d: the slots to copy from and to. (No
+        target is another move's source read after it is written: the copy reads every source
+        first, and the requests' rows hold slots of their own.)"""
+        req, table = item.req, self.req_pool.array[item.req.row]
+        moved = [(depth, j) for depth, j in enumerate(nodes, 1) if j != depth - 1]
+        return ([int(table[req.kv_len + 1 + j]) for _, j in moved],
+                [int(table[req.kv_len + depth]) for depth, _ in moved])
 
 
 def reportable(logprob: float) -> float:
