@@ -236,12 +236,59 @@ def test_more_adapters_than_slots_take_turns(setup, policy):
         srv.Engine(model_path=str(base), lora_paths=paths, max_loras_per_batch=2, max_loaded_loras=1)
 
 
-def test_the_default_model_with_a_random_adapter(default_model_dir, tmp_path):
+@pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2-uneven-heads"])
+def test_the_default_model_with_a_random_adapter(default_model_dir, tmp_path, tp, monkeypatch):
+    # At tp=2 the default model's 3 key/value head groups split 2 + 1, and its decode steps run
+    # each rank's layers (the adapters' kernels with them) in one C call.
+    if tp > 1:
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")
     adapter = make_adapter(default_model_dir, tmp_path / "default-lora", 8, ["q_proj", "v_proj", "down_proj"], seed=9)
     prompts = random_prompts(2, seed=13)
     params = [{"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True, "lora_path": "mine"},
               {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}]
-    with srv.Engine(model_path=str(default_model_dir), dtype="float32", lora_paths=[f"mine={adapter}"]) as engine:
+    with srv.Engine(model_path=str(default_model_dir), dtype="float32", lora_paths=[f"mine={adapter}"],
+                    tp_size=tp) as engine:
         adapted, base = engine.generate(input_ids=prompts, sampling_params=params)
     assert adapted["output_ids"] == peft_greedy(str(default_model_dir), str(adapter), tuple(prompts[0]))
     assert base["output_ids"] == peft_greedy(str(default_model_dir), None, tuple(prompts[1]))
+
+
+@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+def test_adapters_split_over_ranks_give_peft_output(setup, tp, pp, monkeypatch):
+    """Each rank holds its part of every adapter (B's rows where the layer splits its output, A's
+    columns where it splits its input; a pipeline stage its own layers'), loaded at launch or at
+    run time; a prefill's micro-batches each find their requests' adapters."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")   # the ranks share this machine's cores
+    base, adapters = setup
+    prompts = random_prompts(8, seed=9)
+    names = [None, "small", "wide", "mlp"] * 2
+    params = [{"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True,
+               **({"lora_path": name} if name else {})} for name in names]
+    with srv.Engine(model_path=str(base), dtype="float32", tp_size=tp, pp_size=pp, page_size=4,
+                    lora_paths=[f"{name}={adapters[name]}" for name in ("small", "wide")]) as engine:
+        assert engine.load_lora_adapter("mlp", str(adapters["mlp"])) == ["small", "wide", "mlp"]
+        results = engine.generate(input_ids=prompts, sampling_params=params)
+    for ids, name, result in zip(prompts, names, results):
+        assert result["output_ids"] == peft_greedy(str(base), str(adapters[name]) if name else None, tuple(ids)), name
+
+
+def test_an_adapter_of_other_shapes_is_refused_and_the_server_goes_on(setup, tmp_path):
+    import json
+
+    from safetensors.torch import save_file
+
+    base, adapters = setup
+    folder = tmp_path / "misfit"
+    folder.mkdir()
+    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8}))
+    prefix = "base_model.model.model.layers.0.self_attn.q_proj"
+    save_file({f"{prefix}.lora_A.weight": torch.randn(4, 96), f"{prefix}.lora_B.weight": torch.randn(64, 4)},
+              str(folder / "adapter_model.safetensors"))
+    prompt = random_prompts(1, seed=3)[0]
+    greedy = {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
+    with srv.Engine(model_path=str(base), dtype="float32", enable_lora=True) as engine:
+        with pytest.raises(ValueError, match="do not fit the model's self_attn.qkv_proj"):
+            engine.load_lora_adapter("misfit", str(folder))
+        assert engine.load_lora_adapter("small", str(adapters["small"])) == ["small"]
+        assert engine.generate(input_ids=prompt, sampling_params={**greedy, "lora_path": "small"})["output_ids"] == \
+            peft_greedy(str(base), str(adapters["small"]), tuple(prompt))

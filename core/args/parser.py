@@ -291,6 +291,10 @@ def parallel_refusals(args: argparse.Namespace) -> list[str]:
             # Each attention rank schedules its own requests, while the vocabulary head a draft
             # step reads is split over all of them: no rank could run it alone.
             refused.append("--speculative-algorithm with --enable-dp-attention is not supported yet")
+        if args.enable_lora or args.lora_paths:
+            # The feed-forward blocks run on all ranks' rows gathered: an adapter's rows would
+            # have to travel with them.
+            refused.append("--enable-lora with --enable-dp-attention is not supported yet")
     if nnodes > 1 and not args.dist_init_addr:
         refused.append("--nnodes > 1 needs --dist-init-addr HOST:PORT, where node 0's rank 0 forms the group")
     ep = args.expert_parallel_size
@@ -311,10 +315,8 @@ def parallel_refusals(args: argparse.Namespace) -> list[str]:
     if tp * pp > 1:
         # These read or change one rank's model or KV pool; the others would not follow.
         layout = "--tensor-parallel-size > 1" if tp > 1 else "--pipeline-parallel-size > 1"
-        for flag, value in (("--enable-lora", args.enable_lora or args.lora_paths),
-                            ("--enable-hierarchical-cache", args.enable_hierarchical_cache)):
-            if value:
-                refused.append(f"{flag} with {layout} is not supported yet")
+        if args.enable_hierarchical_cache:
+            refused.append(f"--enable-hierarchical-cache with {layout} is not supported yet")
     return refused
 
 

@@ -42,7 +42,11 @@ def build_scheduler(args: Namespace, registry: BackendRegistry,
         # Unseeded sampling draws from torch's global generator: --random-seed fixes it.
         torch.manual_seed(args.random_seed)
     runner = ModelRunner(args, registry, on_model_dir=on_model_dir)
-    scheduler = Scheduler(args, runner, registry)
+    try:
+        scheduler = Scheduler(args, runner, registry)
+    except BaseException:
+        runner.close()   # the other ranks it started, and its place in their group
+        raise
     if not args.skip_tokenizer_init:
         scheduler.set_tokenizer_loader(functools.partial(load_tokenizer, args, str(runner.model_dir)))
     return runner, scheduler

@@ -120,6 +120,19 @@ class LoRAAdapter:
         return cls(name, rank, scaling, {module for _, module in weights}, weights, cache_namespace(path))
 
 
+def rank_parts(base: Any, a: Any, b: Any, shard: int) -> tuple[Any, Any]:
+    """This tensor-parallel rank's parts of a target's A [rank, in] and B [out, rank] on `base`
+    (a layer of srv.sdk.layers): an output-split layer takes its rows of B (of the fused layer's
+    shard `shard`) and all of A; an input-split one its columns of A and all of B, its product
+    then a partial sum the model adds up with the base layer's."""
+    sharding = getattr(base, "sharding", None)
+    if sharding is None or sharding.ranks == 1:
+        return a, b
+    if sharding.dim == 0:
+        return a, sharding.cut(b, shard)
+    return sharding.cut(a), b
+
+
 class LoRAManager:
     """The loaded adapters and the wrapped layers of one model. Every layer an adapter can target
     is wrapped from the start, so adapters load and unload at run time without touching the
@@ -134,11 +147,17 @@ class LoRAManager:
 
     def __init__(self, model: Any, adapters: list[LoRAAdapter], backend: Any, dtype: Any, capacity: int,
                  max_loaded: int | None = None, eviction_policy: str = "lru") -> None:
+        from torch import nn
+
         from srv.engine.lora_layer import LoRALayer
 
         layers = getattr(model, "layers", None)
-        if layers is None or not all(hasattr(layer, "self_attn") and hasattr(layer, "mlp") for layer in layers):
+        # A pipeline stage holds a range of the layers; the others are placeholders.
+        stage = [] if layers is None else [(i, layer) for i, layer in enumerate(layers)
+                                           if not isinstance(layer, nn.Identity)]
+        if not stage or not all(hasattr(layer, "self_attn") and hasattr(layer, "mlp") for _, layer in stage):
             raise ValueError("LoRA adapters apply to srv's native models (--model-impl srv)")
+        self.num_layers = len(layers)
         if eviction_policy not in EVICTION_POLICIES:
             raise ValueError(f"--lora-eviction-policy {eviction_policy!r}: one of {', '.join(EVICTION_POLICIES)}")
         if max_loaded is not None and max_loaded < capacity:
@@ -154,9 +173,10 @@ class LoRAManager:
         self._activated: dict[str, int] = {}   # when each adapter got its slot (fifo)
         self._used: dict[str, int] = {}        # when each adapter was last in a batch (lru)
         self.segments: list = []
+        self.batch_slots: list[int] = []   # the pass's requests' slots, as set_batch was given them
         # (layer index, fused layer name) -> (its wrapper, the columns each of its shards starts at)
         self.layers: dict[tuple[int, str], tuple[Any, list[int]]] = {}
-        for index, layer in enumerate(layers):
+        for index, layer in stage:
             attention = layer.self_attn
             offsets = {"self_attn.qkv_proj": [0, attention.q_size, attention.q_size + attention.kv_size],
                        "self_attn.o_proj": [0], "mlp.gate_up_proj": [0, layer.mlp.intermediate_size],
@@ -188,11 +208,21 @@ class LoRAManager:
         products: dict[tuple[int, str], list[Any]] = {}
         for (index, module), (a, b) in adapter.weights.items():
             fused, shard = TARGETS[module]
-            if (index, fused) not in self.layers:
+            if not 0 <= index < self.num_layers:
                 raise ValueError(f"adapter {adapter.name}: the model has no layer {index}")
-            starts = self.layers[(index, fused)][1]
-            products.setdefault((index, fused), []).append(
-                LoRAProduct(starts[shard], a.to(self.dtype), b.to(self.dtype), adapter.scaling))
+            if (index, fused) not in self.layers:
+                continue   # another pipeline stage's layer
+            wrapper, starts = self.layers[(index, fused)]
+            a, b = rank_parts(wrapper.base, a, b, shard)   # a rank's columns of A are a strided view
+            end = starts[shard + 1] if shard + 1 < len(starts) else getattr(wrapper.base, "out_features", None)
+            width = end - starts[shard] if end is not None else b.shape[0]
+            if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1] \
+                    or a.shape[1] != getattr(wrapper.base, "in_features", a.shape[1]) or b.shape[0] != width:
+                # The kernels read the products by the layer's shapes: a mismatch is refused here.
+                raise ValueError(f"adapter {adapter.name}: layer {index}'s {module} has A {list(a.shape)} and B "
+                                 f"{list(b.shape)}, which do not fit the model's {fused}")
+            products.setdefault((index, fused), []).append(LoRAProduct(
+                starts[shard], a.to(self.dtype).contiguous(), b.to(self.dtype).contiguous(), adapter.scaling))
         self.loaded[adapter.name] = adapter
         self.products[adapter.name] = products
 
@@ -248,6 +278,7 @@ class LoRAManager:
         """Which rows of the next forward pass belong to which adapter (each request's rows)."""
         from srv.sdk.lora import LoRASegment
 
+        self.batch_slots = slots
         segments, start = [], 0
         for slot, length in zip(slots, extend_lens):
             if slot >= 0:

@@ -360,8 +360,24 @@ class ModelRunner:
             return self._forward_in_group(batch, dict(
                 input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc, kv_slots=kv_slots,
                 prefix_lens=prefix_lens, extend_lens=extend_lens, logits_indices=logits_indices, mode=mode,
-                capture_layers=capture_layers, token_type_ids=token_type_ids))
+                capture_layers=capture_layers, token_type_ids=token_type_ids, lora_slots=lora_slots))
         return self._checked_output(self.model(batch), batch)
+
+    # ---- LoRA adapters: every rank holds its share of each --------------------------------------
+
+    def add_lora_adapter(self, adapter: LoRAAdapter) -> None:
+        """Serve `adapter` (read and checked by `load_lora_adapter`); every rank cuts its share."""
+        self.lora.add(adapter)   # refused here first, it is sent nowhere
+        self._broadcast("add_lora_adapter", adapter=adapter)
+
+    def remove_lora_adapter(self, lora_name: str) -> None:
+        self.lora.remove(lora_name)
+        self._broadcast("remove_lora_adapter", lora_name=lora_name)
+
+    def activate_lora(self, names: set[str]) -> None:
+        """Give a batch's adapters their slots (LoRAManager.activate), the same on every rank."""
+        self._broadcast("activate_lora", names=names)
+        self.lora.activate(names)
 
     # ---- the target's parts that speculative decoding reads (srv.engine.speculative) ----------
 
@@ -459,7 +475,10 @@ class ModelRunner:
         parts = batch.micro_batches(size)
         waits = [parallel.expect_logits((part.logits_rows().numel(), self.config.vocab_size)) for part in parts] \
             if parallel.rank == 0 else []
-        for part in parts:
+        adapters = self.lora.batch_slots if self.lora is not None and len(parts) > 1 else None
+        for i, part in enumerate(parts):
+            if adapters is not None:   # each part's requests' adapters, by their rows in the part
+                self.lora.set_batch(adapters[i * size: i * size + part.batch_size], part.extend_lens)
             out = self.model(part)
             if parallel.is_last_stage:
                 parallel.send_logits(out.logits)

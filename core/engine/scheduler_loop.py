@@ -363,7 +363,7 @@ class SchedulerLoop:
             adapter = runner.load_lora_adapter(lora_name, lora_path)
         except (OSError, KeyError) as exc:
             raise ValueError(f"adapter {lora_name}: {type(exc).__name__}: {exc}") from None
-        runner.lora.add(adapter)
+        runner.add_lora_adapter(adapter)
         logger.info("LoRA adapter %s loaded from %s", lora_name, lora_path)
         return runner.lora.names
 
@@ -375,7 +375,7 @@ class SchedulerLoop:
         users = [r for r in (*scheduler.running, *scheduler.waiting) if r.params.lora_path == lora_name]
         if users:
             raise ValueError(f"adapter {lora_name} serves {len(users)} request(s): unload it once they end")
-        runner.lora.remove(lora_name)
+        runner.remove_lora_adapter(lora_name)
         logger.info("LoRA adapter %s unloaded", lora_name)
         return runner.lora.names
 

@@ -209,7 +209,8 @@ class Worker:
                                      [item.req.kv_len: item.req.kv_len + item.extend]])
         lora = self.runner.lora
         if lora is not None:
-            lora.activate({item.req.params.lora_path for item in batch if item.req.params.lora_path is not None})
+            self.runner.activate_lora({item.req.params.lora_path for item in batch
+                                       if item.req.params.lora_path is not None})
         slots = None if lora is None else [lora.slot(item.req.params.lora_path)
                                            for item in batch for _ in range(1 + len(item.drafts) if item.drafts else 1)]
         out = self.runner.forward(torch.tensor(ids), torch.from_numpy(numpy.concatenate(positions)),

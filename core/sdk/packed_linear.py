@@ -165,7 +165,10 @@ def pack_linear_layers(model: nn.Module) -> None:
         logger.info("the linear layers' %.1f GiB are held once, blocked for oneDNN: decode steps take its products",
                     row_bytes / 2**30)
     for parent, leaf, module, own in linears:
-        setattr(parent, leaf, PackedLinear(module.weight, module.bias, keep_rows and own))
+        packed = PackedLinear(module.weight, module.bias, keep_rows and own)
+        if hasattr(module, "sharding"):   # which part of the checkpoint a rank's layer holds (srv.sdk.layers)
+            packed.sharding = module.sharding
+        setattr(parent, leaf, packed)
 
 
 def dense_layer(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
