@@ -117,10 +117,10 @@ def test_host_pool_layouts_round_trip(layout, dtype):
     pool = HostKVPool(6, page, layers, heads, dim, dtype, layout)
     pages = pool.allocate(2)
     source = torch.arange(8, 16)
-    pool.from_device(pages, source, kv)
+    pool.store(pages, kv.stored_rows(source))
     pool.set_page_bytes(pages[1], pool.page_bytes(pages[1]))
     target = torch.arange(40, 48)
-    pool.to_device(pages, target, kv)
+    kv.set_stored_rows(target, pool.rows(pages))
     for buffer in kv.k_buffers + kv.v_buffers:
         assert torch.equal(buffer[target].view(torch.uint8), buffer[source].view(torch.uint8))
     assert pool.allocate(5) is None and pool.free_pages == 4
@@ -282,3 +282,24 @@ def test_file_storage_keeps_only_whole_pages(tmp_path):
     assert not list(tmp_path.glob(".*.part")) and store.batch_get([key, "b" * 64]) == [b"x" * 100, None]
     with pytest.raises(ValueError):
         store.batch_exists(["../escape"])
+
+
+@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2), (2, 2)], ids=["tp2", "pp2", "tp2-pp2"])
+def test_split_pools_go_to_host_and_storage_and_come_back_exact(tiny_models, tmp_path, tp, pp, monkeypatch):
+    """The ranks' shares of each page (their key/value heads, their stage's layers) gathered into
+    rank 0's host tier and storage, and sent back to each rank; a restart of the same layout
+    finds the stored pages."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")   # the ranks share this machine's cores
+    batch = prompts(4, 60, seed=37)
+    flags = hicache(tmp_path, hicache_ratio=0.5, hicache_storage_prefetch_policy="wait_complete")
+    with make_engine(tiny_models["llama"], max_total_tokens=150, tp_size=tp, pp_size=pp, **flags) as engine:
+        for _ in range(2):
+            results = generate_each(engine, batch)
+            assert_matches_hf(engine, tiny_models["llama"], batch, results)
+        stats = engine.status()["hicache"]
+        assert stats["storage_hit_tokens"] >= 59 and stats["host_to_device_bytes"] > 0, stats
+        assert_all_kv_returned(engine)
+    with make_engine(tiny_models["llama"], max_total_tokens=150, tp_size=tp, pp_size=pp, **flags) as engine:
+        result = engine.generate(input_ids=batch[0], sampling_params=SHORT)
+        assert result["meta_info"]["cached_tokens"] == 59
+        assert result["output_ids"] == results[0]["output_ids"]

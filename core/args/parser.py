@@ -312,11 +312,6 @@ def parallel_refusals(args: argparse.Namespace) -> list[str]:
     if args.ep_dispatch_algorithm not in (None, "static"):
         refused.append(f"--ep-dispatch-algorithm {args.ep_dispatch_algorithm}: srv sends a route to a replicated "
                        "expert's copy by the token's row (static); dynamic dispatch is not supported yet")
-    if tp * pp > 1:
-        # These read or change one rank's model or KV pool; the others would not follow.
-        layout = "--tensor-parallel-size > 1" if tp > 1 else "--pipeline-parallel-size > 1"
-        if args.enable_hierarchical_cache:
-            refused.append(f"--enable-hierarchical-cache with {layout} is not supported yet")
     return refused
 
 

@@ -37,7 +37,6 @@ import torch
 from srv.engine.host_kv import HostKVPool
 from srv.engine.memory import PagedSlotAllocator
 from srv.engine.radix_cache import RadixCache, TreeNode, split_block_hashes
-from srv.sdk.attention import KVCache
 from srv.sdk.cache import DEVICE, HOST, STORAGE, EvictionPolicy, HiCacheStorage, HiCacheStorageConfig
 
 logger = logging.getLogger("srv.hicache")
@@ -95,9 +94,14 @@ def model_fingerprint(runner: Any, page_size: int) -> str:
             files += [p for p in place.iterdir() if p.suffix in (".safetensors", ".bin", ".gguf", ".pt", ".pth")]
     stats = sorted((str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in files if p.exists())
     kv = runner.kv_cache
+    # The layout too: ranks add their partial sums in another order than one process does, so
+    # the same tokens' keys and values differ in their last bits from one layout to another.
+    parallel = runner.parallel
     parts = [str(runner.model_dir), stats, str(runner.dtype), str(kv.dtype) if kv is not None else "",
-             runner.quantization_name, runner.num_layers, runner.num_kv_heads, runner.head_dim, page_size,
+             runner.quantization_name, runner.num_layers, runner.total_kv_heads, runner.head_dim, page_size,
              kv.k_scales if kv is not None else [], kv.v_scales if kv is not None else []]
+    if parallel.tp_size * parallel.pp_size > 1:
+        parts.append([parallel.tp_size, parallel.pp_size])
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()
 
 
@@ -248,12 +252,14 @@ class HiRadixCache(RadixCache):
     node_class = HiNode
     pool_resident = staticmethod(in_pool)   # match_prefix: the pool's part of a match
 
-    def __init__(self, allocator: PagedSlotAllocator, policy: EvictionPolicy, kv_cache: Callable[[], KVCache],
+    def __init__(self, allocator: PagedSlotAllocator, policy: EvictionPolicy, device: Any,
                  host: HostKVPool, write_policy: str, storage: StorageTier | None,
                  fingerprint: Callable[[], str]) -> None:
+        """`device` reads and writes the KV pool's rows of every layer and head (the model
+        runner: `read_kv(slots)`, `write_kv(slots, rows)`)."""
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"--hicache-write-policy {write_policy!r}: one of {', '.join(WRITE_POLICIES)}")
-        self.kv_cache, self.host, self.write_policy, self.storage = kv_cache, host, write_policy, storage
+        self.device, self.host, self.write_policy, self.storage = device, host, write_policy, storage
         self.fingerprint = fingerprint
         self.counters = {"device_hit_tokens": 0, "host_hit_tokens": 0, "storage_hit_tokens": 0,
                          "device_to_host_bytes": 0, "host_to_device_bytes": 0}
@@ -343,7 +349,7 @@ class HiRadixCache(RadixCache):
         finally:
             node.pinned -= 1
         node.host = self.host.allocate(count)
-        self.host.from_device(node.host, node.value, self.kv_cache())
+        self.host.store(node.host, self.device.read_kv(node.value))
         self.counters["device_to_host_bytes"] += count * self.host.page_nbytes
         if self.storage is not None and not node.stored:
             node.stored = True
@@ -514,7 +520,7 @@ class HiRadixCache(RadixCache):
             return False
         pages = torch.tensor(self.allocator.allocate_pages(count // self.page_size))
         slots = (pages[:, None] * self.page_size + torch.arange(self.page_size)[None, :]).flatten()
-        self.host.to_device(node.host, slots, self.kv_cache())
+        self.device.write_kv(slots, self.host.rows(node.host))
         node.value = slots
         self.evictable_tokens += count
         self._record_stored(node)
@@ -576,7 +582,9 @@ def make_prefix_cache(args: Any, runner: Any, allocator: PagedSlotAllocator, reg
         raise ValueError(f"--hicache-storage-prefetch-policy: one of {', '.join(PREFETCH_POLICIES)}")
     kv = runner.kv_cache
     page_size = allocator.page_size
-    token_bytes = runner.kv_bytes_per_token()
+    # The host tier holds every layer and head, whichever share of them this rank's pool holds.
+    layers, heads = runner.num_layers, runner.total_kv_heads
+    token_bytes = 2 * layers * heads * runner.head_dim * kv.k_buffers[0].element_size()
     if args.hicache_size and args.hicache_size > 0:
         pages = int(args.hicache_size * 2**30 // (token_bytes * page_size))
     else:
@@ -585,8 +593,7 @@ def make_prefix_cache(args: Any, runner: Any, allocator: PagedSlotAllocator, reg
         pages = int(allocator.capacity_tokens * args.hicache_ratio) // page_size
     if pages < 1:
         raise ValueError("the hierarchical cache's host tier would hold no page: raise --hicache-ratio or --hicache-size")
-    host = HostKVPool(pages, page_size, runner.num_layers, runner.num_kv_heads, runner.head_dim, kv.dtype,
-                      args.hicache_mem_layout)
+    host = HostKVPool(pages, page_size, layers, heads, runner.head_dim, kv.dtype, args.hicache_mem_layout)
     fingerprint = lambda: model_fingerprint(runner, page_size)  # noqa: E731 (read again after a weight update)
     storage = None
     if args.hicache_storage_backend:
@@ -599,5 +606,4 @@ def make_prefix_cache(args: Any, runner: Any, allocator: PagedSlotAllocator, reg
     logger.info("hierarchical cache: host tier of %d tokens (%.1f MiB, %s, %s)%s", pages * page_size,
                 pages * host.page_nbytes / 2**20, args.hicache_mem_layout, args.hicache_write_policy,
                 f", storage {args.hicache_storage_backend}" if storage else "")
-    return HiRadixCache(allocator, policy, lambda: runner.kv_cache, host, args.hicache_write_policy, storage,
-                        fingerprint)
+    return HiRadixCache(allocator, policy, runner, host, args.hicache_write_policy, storage, fingerprint)

@@ -1,5 +1,7 @@
 """The host tier of the hierarchical cache: keys and values of whole pages in host memory, in
-the layout `--hicache-mem-layout` names, copied from and to the KV pool the model reads.
+the layout `--hicache-mem-layout` names, copied from and to the KV pool the model reads (every
+layer and key/value head of the model: under tensor or pipeline parallelism the model runner
+gathers the ranks' shares into rank 0's rows, ModelRunner.read_kv).
 
 Every layout is one buffer seen through `canonical`, a view ordered (page, token in page,
 layer, key or value, head, dim), so copies are written once for all layouts. Values are kept
@@ -9,8 +11,6 @@ as the pool stores them (a float8 pool's scaled bytes), so a copy back is exact.
 from __future__ import annotations
 
 import torch
-
-from srv.sdk.attention import KVCache
 
 # layout -> (buffer dims in terms of P pages, S tokens a page, L layers, 2, H heads, D dims;
 #            the permutation that orders the buffer canonically)
@@ -52,20 +52,14 @@ class HostKVPool:
     def free(self, pages: list[int]) -> None:
         self._free.extend(pages)
 
-    def from_device(self, pages: list[int], slots: torch.Tensor, kv: KVCache) -> None:
-        """Copy the pool's keys and values at `slots` (whole pages, in order) into `pages`."""
-        index = torch.tensor(pages)
-        shape = (len(pages), self.page_size, *kv.k_buffers[0].shape[1:])
-        for layer in range(self.num_layers):
-            for which, buffers in enumerate((kv.k_buffers, kv.v_buffers)):
-                self.canonical[index, :, layer, which] = buffers[layer].index_select(0, slots).view(shape)
+    def store(self, pages: list[int], rows: torch.Tensor) -> None:
+        """Keep `rows` (whole pages of tokens in order, [tokens, layers, 2, kv heads, head_dim]
+        as the pool stores them: KVCache.stored_rows) in `pages`."""
+        self.canonical[torch.tensor(pages)] = rows.view(len(pages), *self.page_shape)
 
-    def to_device(self, pages: list[int], slots: torch.Tensor, kv: KVCache) -> None:
-        index = torch.tensor(pages)
-        for layer in range(self.num_layers):
-            for which, buffers in enumerate((kv.k_buffers, kv.v_buffers)):
-                rows = self.canonical[index, :, layer, which]
-                buffers[layer][slots] = rows.reshape(slots.numel(), *rows.shape[2:])
+    def rows(self, pages: list[int]) -> torch.Tensor:
+        """What `store` kept in `pages`, as the rows it was given."""
+        return self.canonical[torch.tensor(pages)].reshape(len(pages) * self.page_size, *self.page_shape[1:])
 
     def page_bytes(self, page: int) -> bytes:
         """One page's keys and values, canonically ordered, as bytes (what storage keeps)."""

@@ -27,7 +27,7 @@ from srv.sdk.moe import EPLBAlgorithm, FusedMoE, MoEBackends, config_num_experts
 from srv.sdk.layers import use_float32_head
 from srv.sdk.packed_linear import PackedLinear
 from srv.sdk.models import ModelConfig, ModelImpl, ModelLoader, ModelOutput, materialize
-from srv.sdk.parallel import ParallelContext, is_collective_failure
+from srv.sdk.parallel import ParallelContext, is_collective_failure, partition_starts
 from srv.sdk.quantization import QuantizationMethod
 from srv.sdk.system import available_memory_bytes
 
@@ -174,6 +174,7 @@ class ModelRunner:
         total_heads = self.config.num_attention_heads
         total_kv_heads = getattr(self.config, "num_key_value_heads", None) or total_heads
         self.head_dim = getattr(self.config, "head_dim", None) or self.config.hidden_size // total_heads
+        self.total_kv_heads = total_kv_heads
         self.num_kv_heads = self.parallel.attention.partition(total_kv_heads)[1]
         self.num_heads = self.num_kv_heads * (total_heads // total_kv_heads)
         self.prefill_attention = self._attention(args.prefill_attention_backend or args.attention_backend)
@@ -363,6 +364,67 @@ class ModelRunner:
                 capture_layers=capture_layers, token_type_ids=token_type_ids, lora_slots=lora_slots))
         return self._checked_output(self.model(batch), batch)
 
+    # ---- the hierarchical cache's copies (srv.engine.hicache) ------------------------------------
+
+    def read_kv(self, slots: torch.Tensor) -> torch.Tensor | None:
+        """The keys and values at `slots` of every layer and key/value head, as the pools store
+        them: [len(slots), num_layers, 2, total_kv_heads, head_dim]. Where the ranks split the
+        pool (tensor or pipeline parallelism), rank 0 puts the ranks' shares together; the
+        others send theirs and return None."""
+        self._broadcast("read_kv", slots=slots)
+        own = self.kv_cache.stored_rows(slots)
+        if not self._kv_split:
+            return own
+        import torch.distributed as dist
+
+        shares = self._kv_shares()
+        with self._exit_on_collective_failure():
+            if self.parallel.rank != 0:
+                dist.send(_as_bytes(own), 0)
+                return None
+            rows = torch.empty(len(slots), self.num_layers, 2, self.total_kv_heads, self.head_dim, dtype=own.dtype)
+            for rank, (layers, heads) in enumerate(shares):
+                part = own if rank == 0 else self._kv_part(len(slots), layers, heads, own.dtype)
+                if rank:
+                    dist.recv(_as_bytes(part), rank)
+                rows[:, layers, :, heads] = part
+        return rows
+
+    def write_kv(self, slots: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+        """Write rows of `read_kv`'s shape at `slots`: rank 0 sends each rank its share."""
+        self._broadcast("write_kv", slots=slots)
+        if self._kv_split:
+            import torch.distributed as dist
+
+            shares = self._kv_shares()
+            with self._exit_on_collective_failure():
+                if self.parallel.rank == 0:
+                    for rank, (layers, heads) in enumerate(shares[1:], 1):
+                        dist.send(_as_bytes(rows[:, layers, :, heads].contiguous()), rank)
+                    rows = rows[:, shares[0][0], :, shares[0][1]]
+                else:
+                    layers, heads = shares[self.parallel.rank]
+                    rows = self._kv_part(len(slots), layers, heads, self.kv_cache.dtype)
+                    dist.recv(_as_bytes(rows), 0)
+        self.kv_cache.set_stored_rows(slots, rows)
+
+    @property
+    def _kv_split(self) -> bool:
+        """Whether the KV pool is split over the group's ranks (not under data-parallel
+        attention, where each rank's is whole)."""
+        return self.tensor_parallel is not None and not self.parallel.attention_data_parallel
+
+    def _kv_shares(self) -> list[tuple[slice, slice]]:
+        """(layers, key/value heads) of each rank's KV pool, by rank in the group."""
+        parallel = self.parallel
+        layers = partition_starts(self.num_layers, parallel.pp_size, 1, "pipeline stages")
+        heads = parallel.partition_starts(self.total_kv_heads)
+        return [(slice(layers[stage], layers[stage + 1]), slice(heads[rank], heads[rank + 1]))
+                for stage in range(parallel.pp_size) for rank in range(parallel.tp_size)]
+
+    def _kv_part(self, tokens: int, layers: slice, heads: slice, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(tokens, layers.stop - layers.start, 2, heads.stop - heads.start, self.head_dim, dtype=dtype)
+
     # ---- LoRA adapters: every rank holds its share of each --------------------------------------
 
     def add_lora_adapter(self, adapter: LoRAAdapter) -> None:
@@ -550,3 +612,8 @@ class ModelRunner:
                 return tensors[candidate]
         near = [n for n in tensors if name.split(".")[-1] in n][:5]
         raise ValueError(f"the model has no tensor {name!r}" + (f" (some it has: {near})" if near else ""))
+
+
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes, as gloo sends any dtype (float8 and bf16 among them)."""
+    return tensor.view(torch.uint8)

@@ -53,6 +53,18 @@ class KVCache:
     def values(self, layer_id: int, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return self._read(self.v_buffers[layer_id], slots, self.v_scales[layer_id], dtype)
 
+    def stored_rows(self, slots: torch.Tensor) -> torch.Tensor:
+        """Every layer's keys and values at `slots` as the pool stores them (a float8 pool's
+        scaled values): [len(slots), layers, 2, kv_heads, head_dim], keys then values."""
+        return torch.stack([torch.stack((k.index_select(0, slots), v.index_select(0, slots)), 1)
+                            for k, v in zip(self.k_buffers, self.v_buffers)], 1)
+
+    def set_stored_rows(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        """The inverse of `stored_rows`: rows as the pool stores them written at `slots`."""
+        for layer, (k, v) in enumerate(zip(self.k_buffers, self.v_buffers)):
+            k[slots] = rows[:, layer, 0]
+            v[slots] = rows[:, layer, 1]
+
     def copy(self, sources: torch.Tensor, targets: torch.Tensor) -> None:
         """Every layer's keys and values at `sources` to `targets` (a tree draft's accepted nodes)."""
         for buffer in self.k_buffers + self.v_buffers:
