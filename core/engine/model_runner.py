@@ -438,8 +438,8 @@ class ModelRunner:
 
     def activate_lora(self, names: set[str]) -> None:
         """Give a batch's adapters their slots (LoRAManager.activate), the same on every rank."""
+        self.lora.activate(names)   # refused here first (too many for the slots), it is sent nowhere
         self._broadcast("activate_lora", names=names)
-        self.lora.activate(names)
 
     # ---- the target's parts that speculative decoding reads (srv.engine.speculative) ----------
 
@@ -615,5 +615,6 @@ class ModelRunner:
 
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor's bytes, as gloo sends any dtype (float8 and bf16 among them)."""
+    """A contiguous tensor seen as its bytes: the ranks exchange KV rows so, whatever dtype the
+    pool stores (float8 included)."""
     return tensor.view(torch.uint8)
