@@ -69,20 +69,28 @@ class SpeculativeAlgorithmKit:
         assert srv_kit_engine.status()["spec_draft_tokens"] > before, \
             "the algorithm proposed no drafts for prompts that repeat themselves"
 
-    def test_greedy_output_is_the_targets_at_tensor_parallel_size_2(self, srv_kit_model_dir: Path,
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-        """The target split over two ranks (processes of one torch thread each): the algorithm's
-        reads of the target (hidden states, head, embedding) and its accepted drafts' KV moves
-        reach every rank's share."""
-        from srv import Engine
+    @pytest.fixture(scope="class")
+    @classmethod
+    def srv_kit_engine_tp2(cls, srv_kit_model_dir: Path) -> Iterator[Any]:
+        """The target split over two ranks, processes of one torch thread each."""
+        from srv import Engine  # lazily, as srv_kit_engine
 
-        monkeypatch.setenv("OMP_NUM_THREADS", "1")   # the ranks share this machine's cores
+        with pytest.MonkeyPatch.context() as patch, \
+                _engine_backend(cls(), "speculative_algorithm", "backend_name", "algorithm_factory") as name:
+            patch.setenv("OMP_NUM_THREADS", "1")   # the ranks share this machine's cores
+            engine = Engine(model_path=str(srv_kit_model_dir), dtype="float32", tp_size=2,
+                            speculative_algorithm=name, **cls.launch_flags(srv_kit_model_dir))
+        try:
+            yield engine
+        finally:
+            engine.shutdown()
+
+    def test_greedy_output_is_the_targets_at_tensor_parallel_size_2(self, srv_kit_engine_tp2: Any) -> None:
+        """The algorithm's reads of the target (hidden states, head, embedding) and its accepted
+        drafts' KV moves reach every rank's share."""
         prompts = repeating_prompts(seed=3)[:2]
-        with _engine_backend(self, "speculative_algorithm", "backend_name", "algorithm_factory") as name:
-            with Engine(model_path=str(srv_kit_model_dir), dtype="float32", tp_size=2, speculative_algorithm=name,
-                        **self.launch_flags(srv_kit_model_dir)) as engine:
-                results = engine.generate(input_ids=prompts, sampling_params=self.greedy())
-                assert engine.status()["spec_draft_tokens"] > 0, "the algorithm proposed no drafts at tp=2"
+        results = srv_kit_engine_tp2.generate(input_ids=prompts, sampling_params=self.greedy())
+        assert srv_kit_engine_tp2.status()["spec_draft_tokens"] > 0, "the algorithm proposed no drafts at tp=2"
         for prompt, result in zip(prompts, results):
             assert result["output_ids"] == hf_greedy(tiny_llama(), prompt, self.new_tokens), f"prompt {prompt[:6]}..."
 
