@@ -11,8 +11,7 @@ after it, whatever module serves it:
     MergedColumnParallelLinear several projections fused (gate and up), each split
     QKVParallelLinear         query, key and value heads split by key/value head groups
     RowParallelLinear         input features split: each rank's output is a partial sum that
-                              the model adds up with `parallel.all_reduce` (the merged and
-                              row-parallel layers take explicit `starts` for an uneven split)
+                              the model adds up with `parallel.all_reduce`
     VocabParallelEmbedding    vocabulary rows split; the lookup adds up the ranks' rows itself
     ParallelLMHead            vocabulary split: the model puts the logits together where they
                               are sampled with `parallel.vocab_logits(head, x, head.vocab_starts)`
@@ -101,14 +100,11 @@ class ColumnParallelLinear(nn.Linear):
 
 class MergedColumnParallelLinear(nn.Linear):
     """Several column-parallel projections of one input fused into one product (gate and up):
-    each rank holds its part of each, side by side. `starts` (every rank's start, the size
-    last; the projections being of one size) replaces the even split."""
+    each rank holds its part of each, side by side."""
 
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool, parallel: ParallelContext,
-                 unit: int = 1, starts: list[int] | None = None) -> None:
-        rank = parallel.tp_rank
-        ranges = [parallel.partition(size, unit) for size in output_sizes] if starts is None else \
-            [(starts[rank], starts[rank + 1] - starts[rank])] * len(output_sizes)
+                 unit: int = 1) -> None:
+        ranges = [parallel.partition(size, unit) for size in output_sizes]
         super().__init__(in_features, sum(size for _, size in ranges), bias=bias)
         _split(self, Sharding(0, ranges, parallel.tp_rank, parallel.tp_size))
 
@@ -137,10 +133,8 @@ class RowParallelLinear(nn.Linear):
     output (a key/value head group's query features for the attention output)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, parallel: ParallelContext,
-                 unit: int = 1, starts: list[int] | None = None) -> None:
-        rank = parallel.tp_rank
-        start, size = parallel.partition(in_features, unit) if starts is None else \
-            (starts[rank], starts[rank + 1] - starts[rank])
+                 unit: int = 1) -> None:
+        start, size = parallel.partition(in_features, unit)
         super().__init__(size, out_features, bias=bias)
         _split(self, Sharding(1, [(start, size)], parallel.tp_rank, parallel.tp_size))
 

@@ -276,31 +276,6 @@ class ParallelContext:
         return self.all_gather_columns(head(rows).float(), starts)[mine]
 
 
-def balanced_starts(total: int, unit: int, item_cost: float, loads: list[float]) -> list[int]:
-    """Where each of len(loads) shares of `total` items cut in units of `unit` starts, and `total`
-    last, so that each share's cost (its items at `item_cost` each, plus `loads[r]`: the work its
-    rank has besides) is as even as whole units allow; every share keeps at least one unit."""
-    if total % unit:
-        raise ValueError(f"{total} items do not cut into units of {unit}")
-    units, parts = total // unit, len(loads)
-    if units < parts:
-        raise ValueError(f"{units} units of {unit} cannot be shared by {parts} parts")
-    unit_cost = item_cost * unit
-    even = (units * unit_cost + sum(loads)) / parts
-    ideal = [max(1.0, (even - load) / unit_cost) for load in loads]
-    sizes = [max(1, int(share)) for share in ideal]
-    # Hand out what rounding down left, largest remainders first; take back what the floor of
-    # one unit a share added, from the largest shares.
-    for r in sorted(range(parts), key=lambda r: sizes[r] - ideal[r])[:max(0, units - sum(sizes))]:
-        sizes[r] += 1
-    while sum(sizes) > units:
-        sizes[max(range(parts), key=lambda r: sizes[r])] -= 1
-    starts = [0]
-    for size in sizes:
-        starts.append(starts[-1] + size * unit)
-    return starts
-
-
 def partition_starts(total: int, parts: int, unit: int = 1, what: str = "parts") -> list[int]:
     """Where each of `parts` shares of `total` items cut in units of `unit` starts, and `total`
     last; the first shares take one unit more where the count does not divide."""

@@ -23,7 +23,7 @@ from srv.sdk.layers import (MergedColumnParallelLinear, Sharding, ParallelLMHead
                             VocabParallelEmbedding, load_shard, rank_part)
 from srv.sdk.linear import checkpoint_key, load_weight, shard_rows
 from srv.sdk.models import ModelOutput
-from srv.sdk.parallel import ParallelContext, balanced_starts
+from srv.sdk.parallel import ParallelContext
 from srv.sdk.registration import requires_cpu_flags
 from srv.sdk.native import NativeKernel, has_forward_hooks, optional_c_library
 
@@ -303,11 +303,9 @@ class MLP(nn.Module):
         super().__init__()
         self.parallel = parallel = parallel or ParallelContext()
         intermediate_size = intermediate_size or config.intermediate_size
-        starts = balanced_mlp_starts(config, intermediate_size, parallel)
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [intermediate_size] * 2, False, parallel,
-                                                       starts=starts)
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [intermediate_size] * 2, False, parallel)
         self.intermediate_size = self.gate_up_proj.out_features // 2   # this rank's
-        self.down_proj = RowParallelLinear(intermediate_size, config.hidden_size, False, parallel, starts=starts)
+        self.down_proj = RowParallelLinear(intermediate_size, config.hidden_size, False, parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -318,30 +316,6 @@ class MLP(nn.Module):
             gate, up = gate_up.split(self.intermediate_size, dim=-1)
             out = F.silu(gate) * up
         return self.parallel.all_reduce(self.down_proj(out))
-
-
-# Balanced MLP shares are cut in multiples of this many features, which keeps the kernels'
-# vector loops whole.
-MLP_SHARE_UNIT = 64
-
-
-def balanced_mlp_starts(config: Any, intermediate_size: int, parallel: ParallelContext) -> list[int] | None:
-    """Where the key/value head groups split unevenly across the tensor-parallel ranks (SmolLM2's
-    3 on two ranks: 2 + 1), each rank's share of the MLP's features, evening out the weights
-    each rank reads a step: a rank of fewer heads takes more of the MLP. None: the even split."""
-    if not parallel.is_parallel or parallel.attention_data_parallel or intermediate_size % MLP_SHARE_UNIT:
-        return None
-    total_heads = config.num_attention_heads
-    total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
-    heads = parallel.partition_starts(total_kv_heads)
-    groups = [heads[r + 1] - heads[r] for r in range(parallel.tp_size)]
-    if len(set(groups)) == 1:
-        return None
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // total_heads
-    # A key/value head group's weights: its query heads' rows of q and columns of o, and its k and v.
-    group_weights = config.hidden_size * head_dim * (2 * (total_heads // total_kv_heads) + 2)
-    return balanced_starts(intermediate_size, MLP_SHARE_UNIT, 3 * config.hidden_size,
-                           [g * group_weights for g in groups])
 
 
 class DecoderLayer(nn.Module):
