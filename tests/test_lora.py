@@ -292,3 +292,22 @@ def test_an_adapter_of_other_shapes_is_refused_and_the_server_goes_on(setup, tmp
         assert engine.load_lora_adapter("small", str(adapters["small"])) == ["small"]
         assert engine.generate(input_ids=prompt, sampling_params={**greedy, "lora_path": "small"})["output_ids"] == \
             peft_greedy(str(base), str(adapters["small"]), tuple(prompt))
+
+
+def test_speculative_decoding_keeps_each_requests_adapters_output(setup):
+    """The base model as its own draft (STANDALONE, which never loads the adapters): drafts hold
+    for the base model's requests and often fail for the adapters', whose verify rows run each
+    request's adapter; every output is PEFT's."""
+    base, adapters = setup
+    prompts = random_prompts(4, seed=21)
+    names = [None, "small", "wide", "mlp"]
+    params = [{"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True,
+               **({"lora_path": name} if name else {})} for name in names]
+    with srv.Engine(model_path=str(base), dtype="float32", lora_paths=[f"{n}={p}" for n, p in adapters.items()],
+                    speculative_algorithm="STANDALONE", speculative_draft_model_path=str(base),
+                    speculative_num_draft_tokens=4) as engine:
+        results = engine.generate(input_ids=prompts, sampling_params=params)
+        stats = engine.scheduler.stats
+        assert stats.spec_draft_tokens > 0 and stats.spec_accepted_tokens > stats.spec_verifies, vars(stats)
+    for ids, name, result in zip(prompts, names, results):
+        assert result["output_ids"] == peft_greedy(str(base), str(adapters[name]) if name else None, tuple(ids)), name

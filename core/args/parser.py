@@ -183,8 +183,6 @@ def check_launch_args(args: argparse.Namespace, parser: LaunchArgumentParser) ->
     if args.speculative_algorithm:
         for message in speculative_refusals(args):
             parser.error(message)
-        if args.enable_lora or args.lora_paths:
-            parser.error("--speculative-algorithm with LoRA adapters is not supported yet")
     for message in parallel_refusals(args):
         parser.error(message)
     for flag in ("--preferred-sampling-params", "--model-loader-extra-config"):

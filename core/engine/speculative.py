@@ -179,6 +179,9 @@ class EngineDraftModel(DraftModel):
         # its drafts are read: its passes wait on no other rank.
         draft_args.tensor_parallel_size = draft_args.pipeline_parallel_size = draft_args.expert_parallel_size = 1
         draft_args.enable_dp_attention = False
+        # The target's adapters are of the target's shapes: the draft drafts as its base model,
+        # and verification keeps each request's adapter's output.
+        draft_args.enable_lora, draft_args.lora_paths = False, None
         draft_args.json_model_override_args = None
         draft_args.revision = None   # --revision is the target's; the draft's path is resolved already
         # A draft model's sparse layers run on their own MoE runner and token exchange where the
