@@ -339,10 +339,39 @@ def test_speculative_decoding_across_pipeline_stages_gives_hfs_tokens(srv_tiny_m
         assert result["output_ids"] == hf_greedy(tiny_llama(), prompt, 16)
 
 
-def test_an_algorithm_reading_hidden_states_is_refused_across_pipeline_stages(srv_tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("layout, topk", [((1, 2), 1), ((2, 2), 3)], ids=["pp2-chain", "tp2-pp2-tree"])
+def test_eagle_reads_hidden_states_across_pipeline_stages(srv_tiny_model_dir, tmp_path, layout, topk):
+    # The stages pass the hidden states they capture down with the residual stream, and the last
+    # sends them to rank 0 after each micro-batch's logits.
+    from srv.sdk.testing import hf_greedy, tiny_llama
+    from srv.sdk.testing.speculative import repeating_prompts
     from test_speculative import write_eagle_head
 
-    head = write_eagle_head(tmp_path / "eagle", eagle3=False)
-    with pytest.raises(Exception, match="EAGLE reads the target's hidden states"):
-        srv.Engine(model_path=str(srv_tiny_model_dir), dtype="float32", pp_size=2, speculative_algorithm="EAGLE",
-                   speculative_draft_model_path=str(head))
+    tp, pp = layout
+    head = write_eagle_head(tmp_path / "eagle3", eagle3=True)   # its layers 0, 0 and 1: one on each stage
+    prompts = repeating_prompts(seed=6)[:3]
+    greedy = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
+    with srv.Engine(model_path=str(srv_tiny_model_dir), dtype="float32", tp_size=tp, pp_size=pp,
+                    speculative_algorithm="EAGLE3", speculative_draft_model_path=str(head), speculative_num_steps=3,
+                    speculative_eagle_topk=topk, speculative_num_draft_tokens=8 if topk > 1 else None,
+                    chunked_prefill_size=16) as engine:
+        results = engine.generate(input_ids=prompts, sampling_params=greedy)
+        assert engine.scheduler.stats.spec_draft_tokens > 0
+        assert_all_kv_returned(engine)
+    for prompt, result in zip(prompts, results):
+        assert result["output_ids"] == hf_greedy(tiny_llama(), prompt, 16)
+
+
+def test_hidden_states_across_pipeline_stages_are_one_processs(tiny_models):
+    prompts = random_prompts(3)
+    asked = {**GREEDY, "max_new_tokens": 4, "return_hidden_states": True}
+    states = []
+    for pp in (1, 2):
+        with srv.Engine(model_path=str(tiny_models["llama"]), dtype="float32", pp_size=pp, chunked_prefill_size=16,
+                        enable_return_hidden_states=True) as engine:
+            states.append(engine.generate(input_ids=prompts, sampling_params=asked))
+    for one, staged in zip(*states):
+        assert one["output_ids"] == staged["output_ids"]
+        # The stages' micro-batches are products of other row counts: the last bits may differ.
+        torch.testing.assert_close(torch.tensor(staged["meta_info"]["hidden_states"]),
+                                   torch.tensor(one["meta_info"]["hidden_states"]), rtol=1e-5, atol=1e-5)

@@ -530,13 +530,17 @@ class ModelRunner:
         and a decode step whole: a part pays every layer's fixed costs, which a decode step's
         few rows do not repay (see BENCHMARKS.md)."""
         parallel = self.parallel
-        if batch.capture_layers:   # refused here, on every rank, before any message is posted
-            raise ValueError("hidden states are not returned under pipeline parallelism yet")
         size = self.args.pp_max_micro_batch_size or (
             batch.batch_size if batch.is_decode else -(-batch.batch_size // parallel.pp_size))
         parts = batch.micro_batches(size)
-        waits = [parallel.expect_logits((part.logits_rows().numel(), self.config.vocab_size)) for part in parts] \
-            if parallel.rank == 0 else []
+        # Rank 0 posts every part's receives first, in the order the last stage sends: its
+        # logits, then the hidden states of its tokens that the pass captures.
+        width = len(batch.capture_layers) * self.config.hidden_size
+        waits = []
+        for part in parts if parallel.rank == 0 else ():
+            waits.append(parallel.expect_logits((part.logits_rows().numel(), self.config.vocab_size)))
+            if width:
+                waits.append(parallel.expect_logits((part.input_ids.shape[0], width)))
         adapters = self.lora.batch_slots if self.lora is not None and len(parts) > 1 else None
         for i, part in enumerate(parts):
             if adapters is not None:   # each part's requests' adapters, by their rows in the part
@@ -544,8 +548,14 @@ class ModelRunner:
             out = self.model(part)
             if parallel.is_last_stage:
                 parallel.send_logits(out.logits)
+                if width:
+                    parallel.send_logits(out.hidden_states)
         parallel.finish_sends()
-        return ModelOutput(torch.cat([wait() for wait in waits]) if waits else None)
+        if not waits:
+            return ModelOutput(None)
+        received = [wait() for wait in waits]
+        step = 2 if width else 1
+        return ModelOutput(torch.cat(received[::step]), torch.cat(received[1::step]) if width else None)
 
     def _checked_output(self, out: Any, batch: ForwardBatch) -> ModelOutput:
         extend_lens, logits_indices, capture_layers = batch.extend_lens, batch.logits_indices, batch.capture_layers

@@ -56,9 +56,6 @@ def make_worker(args: Namespace, runner: ModelRunner, registry: BackendRegistry,
     context = SpeculativeContext(config, runner.config.vocab_size, args, load_draft_model, runner.config,
                                  runner.embed, runner.head_logits, target_head_rows)
     algorithm = factory(context)
-    if algorithm.capture_layers and runner.parallel.is_pipelined:
-        raise ValueError(f"--speculative-algorithm {registration.name} reads the target's hidden states, which "
-                         "--pipeline-parallel-size > 1 does not return yet")
     if config.eagle_topk > 1 and not algorithm.supports_trees:
         raise ValueError(f"--speculative-eagle-topk {config.eagle_topk}: {registration.name} drafts chains "
                          "(--speculative-eagle-topk 1)")

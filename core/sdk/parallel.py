@@ -114,7 +114,8 @@ class ParallelContext:
 
     def expect_logits(self, shape: tuple[int, ...]) -> Callable[[], torch.Tensor]:
         """Rank 0 under pipeline parallelism: post the receive of one micro-batch's float32
-        logits from the last stage before computing; the returned call waits for them."""
+        logits (or hidden states) from the last stage before computing; the returned call waits
+        for them."""
         import torch.distributed as dist
 
         logits = torch.empty(shape)
@@ -129,7 +130,8 @@ class ParallelContext:
         return wait
 
     def send_logits(self, logits: torch.Tensor) -> None:
-        """The last stage: a micro-batch's logits to rank 0 (from the rank that holds them)."""
+        """The last stage: a micro-batch's logits (or hidden states) to rank 0, from the rank
+        that holds them."""
         import torch.distributed as dist
 
         if self.rank == self.last_stage_rank:

@@ -394,17 +394,20 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> ModelOutput:
         parallel = self.parallel
-        if batch.capture_layers and parallel.is_pipelined:
-            raise ValueError("hidden states are not returned under pipeline parallelism yet")
         served = self.layers[self.start].input_layernorm.weight.dtype
         x = residual = None   # the first stage's embeddings are looked up below (in C, natively)
+        captured: dict[int, torch.Tensor] = {}
         if not parallel.is_first_stage:   # the previous stage's last layer output and residual stream
-            x, residual = parallel.receive_from_previous_stage(2, (batch.input_ids.shape[0], self.config.hidden_size),
-                                                               self._between_stages(served, batch))
+            rows, width = batch.input_ids.shape[0], self.config.hidden_size
+            x, residual = parallel.receive_from_previous_stage(2, (rows, width), self._between_stages(served, batch))
+            # and the hidden states the stages before captured, side by side in layer order
+            earlier = sorted(i for i in batch.capture_layers if i < self.start)
+            if earlier:
+                [states] = parallel.receive_from_previous_stage(1, (rows, len(earlier) * width), torch.float32)
+                captured = dict(zip(earlier, states.split(width, dim=-1)))
         if not batch.is_idle:
             batch.attention.prepare(batch)
         native = None if batch.capture_layers else self._decode_natively(x, residual, served, batch)
-        captured: dict[int, torch.Tensor] = {}
         normed = None   # the final norm's output, where the native layers computed it
         if native is None:
             if x is None:
@@ -421,7 +424,10 @@ class LlamaForCausalLM(nn.Module):
         if not parallel.is_last_stage:
             between = self._between_stages(served, batch)
             parallel.send_to_next_stage(x.to(between), residual.to(between))
-            return ModelOutput(None)   # the last stage computes the logits
+            so_far = sorted(i for i in batch.capture_layers if i < self.end)
+            if so_far:
+                parallel.send_to_next_stage(torch.cat([captured[i] for i in so_far], -1))
+            return ModelOutput(None)   # the last stage computes the logits (and returns the hidden states)
         norm = self.norm if x.dtype == self.norm.weight.dtype else self._float32_copy(self.norm)
         if len(self.layers) in batch.capture_layers:
             # The norm may add into the residual it is given: a copy keeps the stream for the head.
