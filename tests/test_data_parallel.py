@@ -236,6 +236,24 @@ def test_minimum_tokens_server_balances_by_the_load_the_groups_report(tiny_model
         assert server.stop() == 0
 
 
+def generate_at_once(server: Server, prompts: list[list[int]], params: dict) -> dict[int, list[int]]:
+    """Each prompt's output ids, the requests sent together from threads of their own."""
+    outputs: dict[int, list[int]] = {}
+
+    def generate(i: int) -> None:
+        reply = httpx.post(f"{server.base}/generate", timeout=120,
+                           json={"input_ids": prompts[i], "sampling_params": params})
+        assert reply.status_code == 200, reply.text
+        outputs[i] = reply.json()["output_ids"]
+
+    threads = [threading.Thread(target=generate, args=(i,)) for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(180)
+    return outputs
+
+
 @pytest.mark.parametrize("kind, flags", [("llama", ()), ("qwen3", ()), ("qwen3", ("--enable-dp-lm-head",)),
                                          ("qwen3_moe", ()), ("qwen2_moe", ("--moe-dense-tp-size", "1"))],
                          ids=["llama-vocab-split-head", "qwen3-tied-split-head", "qwen3-tied-dp-lm-head", "qwen3-moe",
@@ -252,19 +270,7 @@ def test_dp_attention_ranks_step_together_and_give_hf_greedy_tokens(tiny_models,
                     "--skip-server-warmup", "--chunked-prefill-size", "16", "--max-total-tokens", "4096")
     try:
         prompts = random_prompts(6)
-        outputs: dict[int, list[int]] = {}
-
-        def generate(i: int) -> None:
-            reply = httpx.post(f"{server.base}/generate", timeout=120, json={
-                "input_ids": prompts[i], "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0}})
-            assert reply.status_code == 200, reply.text
-            outputs[i] = reply.json()["output_ids"]
-
-        threads = [threading.Thread(target=generate, args=(i,)) for i in range(len(prompts))]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(180)
+        outputs = generate_at_once(server, prompts, {"max_new_tokens": NEW_TOKENS, "temperature": 0})
         for i, ids in enumerate(prompts):
             assert outputs[i] == hf_greedy(str(model), tuple(ids)), f"prompt {i}"
         groups = server.scheduler_status()["data_parallel_groups"]
@@ -312,3 +318,32 @@ def test_a_dead_dp_attention_rank_ends_the_server(tiny_models):
     finally:
         if server.process.poll() is None:
             server.process.kill()
+
+
+@pytest.mark.parametrize("algorithm, flags", [("NGRAM", ()), ("EAGLE3", ("--enable-dp-lm-head",))],
+                         ids=["ngram", "eagle3-dp-lm-head"])
+def test_dp_attention_ranks_each_draft_for_their_own_requests(srv_tiny_model_dir, tmp_path, algorithm, flags):
+    """Each attention rank proposes and verifies its own requests' drafts; its verify passes pair
+    up with the other rank's passes as any pass does. EAGLE3 reads the head between passes, so it
+    needs the head whole on each rank (without it the launch fails, naming the flag)."""
+    from srv.sdk.testing import hf_greedy, tiny_llama
+    from srv.sdk.testing.speculative import repeating_prompts
+    from test_speculative import write_eagle_head
+
+    head = ("--speculative-draft-model-path", str(write_eagle_head(tmp_path / "eagle3", eagle3=True))) \
+        if algorithm == "EAGLE3" else ()
+    launch = ("--model-path", str(srv_tiny_model_dir), "--tp-size", "2", "--dp-size", "2", "--enable-dp-attention",
+              "--skip-server-warmup", "--speculative-algorithm", algorithm, *head)
+    if flags:
+        with pytest.raises(RuntimeError, match="needs --enable-dp-lm-head"):
+            Server(*launch)
+    server = Server(*launch, *flags)
+    try:
+        prompts = repeating_prompts(seed=2)
+        outputs = generate_at_once(server, prompts, {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True})
+        for i, prompt in enumerate(prompts):
+            assert outputs[i] == hf_greedy(tiny_llama(), prompt, 16), f"prompt {i}"
+        groups = server.scheduler_status()["data_parallel_groups"]
+        assert all(g["spec_draft_tokens"] > 0 for g in groups), groups
+    finally:
+        assert server.stop() == 0

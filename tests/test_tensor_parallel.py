@@ -164,8 +164,6 @@ def test_default_model_pp2_in_bf16_gives_the_tokens_of_pp1():
 @pytest.mark.parametrize("flags, message", [
     (["--dp-size", "2", "--tp-size", "2", "--enable-dp-attention", "--enable-lora"],
      "--enable-lora with --enable-dp-attention"),
-    (["--dp-size", "2", "--tp-size", "2", "--enable-dp-attention", "--speculative-algorithm", "NGRAM"],
-     "--speculative-algorithm with --enable-dp-attention"),
     (["--tp-size", "3", "--nnodes", "2", "--dist-init-addr", "127.0.0.1:1"], "ranks do not split over --nnodes 2"),
     (["--tp-size", "2", "--nnodes", "2"], "needs --dist-init-addr"),
     (["--node-rank", "1"], "--node-rank 1 is not one of the 1 nodes"),

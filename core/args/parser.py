@@ -285,10 +285,6 @@ def parallel_refusals(args: argparse.Namespace) -> list[str]:
                            "equal (split attention within a group is not supported yet)")
         if pp > 1 or nnodes > 1:
             refused.append("--enable-dp-attention with --pipeline-parallel-size or --nnodes > 1 is not supported yet")
-        if args.speculative_algorithm:
-            # Each attention rank schedules its own requests, while the vocabulary head a draft
-            # step reads is split over all of them: no rank could run it alone.
-            refused.append("--speculative-algorithm with --enable-dp-attention is not supported yet")
         if args.enable_lora or args.lora_paths:
             # The feed-forward blocks run on all ranks' rows gathered: an adapter's rows would
             # have to travel with them.

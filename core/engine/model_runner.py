@@ -461,12 +461,21 @@ class ModelRunner:
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The vocabulary head's float32 logits of `hidden`'s rows (rank 0 gets the whole vocabulary
         where the ranks split it)."""
+        self.check_head_alone("the vocabulary head outside a pass")
         self._broadcast("head_logits", hidden=hidden)
         model, hidden = self.model, hidden.to(self.dtype)
         with self._exit_on_collective_failure():
             if self.parallel.is_parallel:
                 return self.parallel.vocab_logits(model.lm_head, hidden, model.vocab_starts)
             return model.lm_head(hidden).float()
+
+    def check_head_alone(self, what: str) -> None:
+        """Refuse `what` where this rank cannot run the vocabulary head on its own between passes:
+        under data-parallel attention each rank schedules alone, and a split head needs all."""
+        parallel = self.parallel
+        if parallel.attention_data_parallel and parallel.is_parallel and not parallel.dp_lm_head:
+            raise ValueError(f"{what} with --enable-dp-attention needs --enable-dp-lm-head: the vocabulary head "
+                             "is split over the ranks, whose passes pair up, while a rank drafts alone")
 
     def prepare_when_idle(self, budget_s: float) -> bool:
         """Run the one-time work the model deferred from its load (oneDNN's reorders of its dense

@@ -56,6 +56,8 @@ def make_worker(args: Namespace, runner: ModelRunner, registry: BackendRegistry,
     context = SpeculativeContext(config, runner.config.vocab_size, args, load_draft_model, runner.config,
                                  runner.embed, runner.head_logits, target_head_rows)
     algorithm = factory(context)
+    if algorithm.capture_layers:   # an algorithm drafting from hidden states reads the target's head
+        runner.check_head_alone(f"--speculative-algorithm {registration.name}")
     if config.eagle_topk > 1 and not algorithm.supports_trees:
         raise ValueError(f"--speculative-eagle-topk {config.eagle_topk}: {registration.name} drafts chains "
                          "(--speculative-eagle-topk 1)")
