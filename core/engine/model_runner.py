@@ -380,7 +380,7 @@ class ModelRunner:
         shares = self._kv_shares()
         with self._exit_on_collective_failure():
             if self.parallel.rank != 0:
-                dist.send(_as_bytes(own), 0)
+                dist.send(_as_bytes(own.contiguous()), 0)
                 return None
             rows = torch.empty(len(slots), self.num_layers, 2, self.total_kv_heads, self.head_dim, dtype=own.dtype)
             for rank, (layers, heads) in enumerate(shares):

@@ -55,9 +55,12 @@ class KVCache:
 
     def stored_rows(self, slots: torch.Tensor) -> torch.Tensor:
         """Every layer's keys and values at `slots` as the pool stores them (a float8 pool's
-        scaled values): [len(slots), layers, 2, kv_heads, head_dim], keys then values."""
-        return torch.stack([torch.stack((k.index_select(0, slots), v.index_select(0, slots)), 1)
-                            for k, v in zip(self.k_buffers, self.v_buffers)], 1)
+        scaled values): [len(slots), layers, 2, kv_heads, head_dim], keys then values. A view
+        of one gathered copy (layers first), not contiguous: whoever keeps the rows copies them
+        once, in the order they keep."""
+        gathered = torch.stack([buffer.index_select(0, slots) for pair in zip(self.k_buffers, self.v_buffers)
+                                for buffer in pair])
+        return gathered.view(len(self.k_buffers), 2, *gathered.shape[1:]).permute(2, 0, 1, 3, 4)
 
     def set_stored_rows(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
         """The inverse of `stored_rows`: rows as the pool stores them written at `slots`."""

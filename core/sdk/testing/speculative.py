@@ -48,9 +48,28 @@ class SpeculativeAlgorithmKit:
     def srv_kit_engine(cls, srv_kit_model_dir: Path) -> Iterator[Any]:
         from srv import Engine  # lazily: the public entry point, and all of srv's core behind it
 
+        yield from cls._engine(Engine, srv_kit_model_dir, max_total_tokens=4096)
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def srv_kit_engine_tp2(cls, srv_kit_model_dir: Path) -> Iterator[Any]:
+        """The target split over two ranks, processes of one torch thread each."""
+        from srv import Engine  # lazily, as srv_kit_engine
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("OMP_NUM_THREADS", "1")   # the ranks share this machine's cores (read as they start)
+            engines = cls._engine(Engine, srv_kit_model_dir, tp_size=2)
+            engine = next(engines)
+        yield engine
+        next(engines, None)   # shuts it down
+
+    @classmethod
+    def _engine(cls, engine_class: Any, model_dir: Path, **flags: Any) -> Iterator[Any]:
+        """An engine (srv.Engine, which only fixtures import) of the kit's algorithm on the tiny
+        target, until the generator resumes."""
         with _engine_backend(cls(), "speculative_algorithm", "backend_name", "algorithm_factory") as name:
-            engine = Engine(model_path=str(srv_kit_model_dir), dtype="float32", max_total_tokens=4096,
-                            speculative_algorithm=name, **cls.launch_flags(srv_kit_model_dir))
+            engine = engine_class(model_path=str(model_dir), dtype="float32", speculative_algorithm=name,
+                            **cls.launch_flags(model_dir), **flags)
         try:
             yield engine
         finally:
@@ -68,22 +87,6 @@ class SpeculativeAlgorithmKit:
             assert result["output_ids"] == hf_greedy(tiny_llama(), prompt, self.new_tokens), f"prompt {prompt[:6]}..."
         assert srv_kit_engine.status()["spec_draft_tokens"] > before, \
             "the algorithm proposed no drafts for prompts that repeat themselves"
-
-    @pytest.fixture(scope="class")
-    @classmethod
-    def srv_kit_engine_tp2(cls, srv_kit_model_dir: Path) -> Iterator[Any]:
-        """The target split over two ranks, processes of one torch thread each."""
-        from srv import Engine  # lazily, as srv_kit_engine
-
-        with pytest.MonkeyPatch.context() as patch, \
-                _engine_backend(cls(), "speculative_algorithm", "backend_name", "algorithm_factory") as name:
-            patch.setenv("OMP_NUM_THREADS", "1")   # the ranks share this machine's cores
-            engine = Engine(model_path=str(srv_kit_model_dir), dtype="float32", tp_size=2,
-                            speculative_algorithm=name, **cls.launch_flags(srv_kit_model_dir))
-        try:
-            yield engine
-        finally:
-            engine.shutdown()
 
     def test_greedy_output_is_the_targets_at_tensor_parallel_size_2(self, srv_kit_engine_tp2: Any) -> None:
         """The algorithm's reads of the target (hidden states, head, embedding) and its accepted
